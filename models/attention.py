@@ -1,0 +1,92 @@
+"""Multi-head latent attention (MLA) over the paged latent cache, in the absorbed-weight form.
+
+Per token the cache holds c_kv = kv_a_layernorm(W_DKV x) [R] and k_pe = rope(W_KR x) [P]; keys and
+values are never expanded. With W_UK, W_UV the two halves of kv_b_proj (per head):
+    score(q, j) = (q_nope W_UK) . c_kv[j] + q_pe . k_pe[j]
+    out(q)      = (sum_j p_j c_kv[j]) W_UV^T
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.config import ModelConfig
+from models.kv_cache import AttentionBatch
+from models.layers import (ColumnParallelLinear, ReplicatedLinear, RMSNorm, RotaryEmbedding,
+                           RowParallelLinear)
+from models.parallel import ParallelState, SINGLE
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ps: ParallelState = SINGLE):
+        super().__init__()
+        D, H, R, P = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.heads = ps.shard(H, "num_attention_heads")           # heads on this TP rank
+        self.nope, self.rope_dim, self.v_dim, self.rank = cfg.qk_nope_head_dim, P, cfg.v_head_dim, R
+        self.scale = cfg.softmax_scale
+        self.rotary = rotary
+        if cfg.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(D, cfg.q_lora_rank, ps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, H * cfg.qk_head_dim, ps)
+        else:
+            self.q_proj = ColumnParallelLinear(D, H * cfg.qk_head_dim, ps)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(D, R + P, ps)
+        self.kv_a_layernorm = RMSNorm(R, cfg.rms_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(R, H * (self.nope + self.v_dim), ps)
+        self.o_proj = RowParallelLinear(H * self.v_dim, D, ps)
+
+    def forward(self, x: torch.Tensor, batch: AttentionBatch | None, ckv=None, kpe=None):
+        # x: [N, D]; ckv: [blocks, block_size, R] and kpe: [blocks, block_size, P] of this layer
+        if batch is None:
+            return self.forward_causal(x)
+        N, h = x.shape[0], self.heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        q_nope, q_pe = q.view(N, h, -1).split([self.nope, self.rope_dim], -1)   # [N, h, nope], [N, h, P]
+        q_pe = self.rotary(q_pe, batch.positions)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], -1)
+        c_kv = self.kv_a_layernorm(c_kv)                                          # [N, R]
+        k_pe = self.rotary(k_pe[:, None, :], batch.positions)[:, 0]               # [N, P]
+        ckv.view(-1, self.rank)[batch.slot_mapping] = c_kv.to(ckv.dtype)
+        kpe.view(-1, self.rope_dim)[batch.slot_mapping] = k_pe.to(kpe.dtype)
+
+        w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]                          # [h, nope, R], [h, v, R]
+        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)                        # [N, h, R]
+        out_lat = latent_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)      # [N, h, R]
+        out = torch.einsum("nhr,hvr->nhv", out_lat, w_uv).reshape(N, h * self.v_dim)
+        return self.o_proj(out)
+
+
+def latent_attention(q_lat, q_pe, batch: AttentionBatch, ckv, kpe, scale: float) -> torch.Tensor:
+    """Reference attention over the latent cache. q_lat: [N, h, R], q_pe: [N, h, P] -> [N, h, R]."""
+    B, Tmax = batch.mask.shape[:2]
+    N, h, R = q_lat.shape
+    P = q_pe.shape[-1]
+    ql = q_lat.new_zeros(B * Tmax, h, R).index_copy_(0, batch.query_pad_index, q_lat).view(B, Tmax, h, R)
+    qp = q_pe.new_zeros(B * Tmax, h, P).index_copy_(0, batch.query_pad_index, q_pe).view(B, Tmax, h, P)
+    C = ckv.view(-1, R)[batch.context_slots].to(ql.dtype)                    # [B, L, R]
+    K = kpe.view(-1, P)[batch.context_slots].to(qp.dtype)                    # [B, L, P]
+    scores = (torch.einsum("bthr,blr->bhtl", ql, C) + torch.einsum("bthp,blp->bhtl", qp, K)).float()
+    scores = scores * scale
+    scores = scores.masked_fill(~batch.mask[:, None], float("-inf"))
+    probs = scores.softmax(-1).to(C.dtype)
+    out = torch.einsum("bhtl,blr->bthr", probs, C).reshape(B * Tmax, h, R)
+    return out.index_select(0, batch.query_pad_index)
+
+
+    def forward_causal(self, x: torch.Tensor) -> torch.Tensor:
+        """Training / scoring path without a cache: x [B, T, D] -> [B, T, D], expanded K/V, causal."""
+        B, T, _ = x.shape
+        h, pos = self.heads, torch.arange(T, device=x.device)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        q_nope, q_pe = q.view(B, T, h, -1).split([self.nope, self.rope_dim], -1)
+        q_pe = self.rotary(q_pe.reshape(B * T, h, -1), pos.repeat(B)).view(B, T, h, -1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], -1)
+        k_pe = self.rotary(k_pe.reshape(B * T, 1, -1), pos.repeat(B)).view(B, T, 1, -1).expand(B, T, h, -1)
+        k_nope, v = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, h, -1).split([self.nope, self.v_dim], -1)
+        q = torch.cat([q_nope, q_pe], -1).transpose(1, 2)                    # [B, h, T, qk]
+        k = torch.cat([k_nope, k_pe], -1).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True,
+                                                               scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, h * self.v_dim))

@@ -1,0 +1,140 @@
+"""Building blocks: RMSNorm, rotary embedding (incl. YaRN), and the parallel linear layers.
+
+Weights keep the checkpoint's [out, in] layout; each parameter records how it is sharded
+(`shard_dim`) so the loader can read only this rank's slice.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig, yarn_get_mscale
+from models.parallel import ParallelState, SINGLE, all_gather_cols, all_reduce
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = shard_param((dim,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def shard_param(shape, shard=None, full_shape=None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.shard = shard                  # None: replicated; (dim, rank, size): this rank's slice along dim
+    p.full_shape = tuple(full_shape or shape)
+    return p
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState = SINGLE):
+        super().__init__()
+        self.weight = shard_param((out_features, in_features))
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across TP ranks; each rank returns its slice (no collective)."""
+
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState = SINGLE, gather: bool = False):
+        super().__init__()
+        self.ps, self.gather = ps, gather
+        self.weight = shard_param((ps.shard(out_features, "out_features"), in_features), (0, ps.tp_rank, ps.tp_size),
+                             (out_features, in_features))
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        return all_gather_cols(y, self.ps.tp_group, self.ps.tp_size) if self.gather else y
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across TP ranks; partial sums all-reduced unless `reduce=False`."""
+
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState = SINGLE, reduce: bool = True):
+        super().__init__()
+        self.ps, self.reduce = ps, reduce
+        self.weight = shard_param((out_features, ps.shard(in_features, "in_features")), (1, ps.tp_rank, ps.tp_size),
+                             (out_features, in_features))
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        return all_reduce(y, self.ps.tp_group, self.ps.tp_size) if self.reduce else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocabulary rows split across TP ranks; out-of-shard ids give zeros, summed by all-reduce."""
+
+    def __init__(self, vocab_size: int, dim: int, ps: ParallelState = SINGLE):
+        super().__init__()
+        self.ps = ps
+        self.part = ps.shard(vocab_size, "vocab_size")
+        self.start = ps.tp_rank * self.part
+        self.weight = shard_param((self.part, dim), (0, ps.tp_rank, ps.tp_size), (vocab_size, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.ps.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.part)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = y.masked_fill(outside.unsqueeze(-1), 0)
+        return all_reduce(y, self.ps.tp_group, self.ps.tp_size)
+
+
+class ParallelLMHead(ColumnParallelLinear):
+    """Vocabulary-parallel LM head; logits are all-gathered to the full vocabulary."""
+
+    def __init__(self, dim: int, vocab_size: int, ps: ParallelState = SINGLE):
+        super().__init__(dim, vocab_size, ps, gather=True)
+
+    def forward(self, x):
+        return super().forward(x).float()
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables per position; YaRN frequencies and magnitude as DeepSeek defines them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        dim, r = cfg.qk_rope_head_dim, cfg.rope
+        self.interleave = cfg.rope_interleave
+        inv_freq = 1.0 / (r.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.attention_factor = 1.0
+        if r.kind == "yarn":
+            def corr_dim(rot):
+                return dim * math.log(r.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(r.theta))
+            low, high = corr_dim(r.beta_fast), corr_dim(r.beta_slow)
+            if r.truncate:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, dim - 1)
+            high = high + 0.001 if low == high else high
+            ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+            extrapolate = 1 - ramp
+            inv_freq = inv_freq / r.factor * (1 - extrapolate) + inv_freq * extrapolate
+            self.attention_factor = yarn_get_mscale(r.factor, r.mscale) / yarn_get_mscale(r.factor, r.mscale_all_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [N, H, R] rope part, positions: [N]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]          # [N, R/2]
+        cos = (freqs.cos() * self.attention_factor)[:, None, :]
+        sin = (freqs.sin() * self.attention_factor)[:, None, :]
+        xf = x.float()
+        if self.interleave:   # DeepSeek layout: pairs (x0, x1), (x2, x3), ...
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
+        else:                 # half-split layout: (x_i, x_{i+R/2})
+            x1, x2 = xf.chunk(2, -1)
+            out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1)
+        return out.to(x.dtype)

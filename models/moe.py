@@ -1,0 +1,122 @@
+"""Dense MLP and DeepSeek MoE: sigmoid router with noaux_tc grouped top-k, routed and shared experts.
+
+Parallel layout: the tp ranks form ep expert groups of etp = tp / ep ranks each. A group holds
+n_routed_experts / ep experts, each split etp ways along its intermediate dim. Shared experts and
+dense MLPs are split tp ways. Every rank adds its partial outputs; one all-reduce completes them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+from models.layers import shard_param
+from models.parallel import ParallelState, SINGLE, all_reduce
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP, column-split gate/up and row-split down over `size` ranks (no collective here)."""
+
+    def __init__(self, dim: int, inter: int, rank: int = 0, size: int = 1):
+        super().__init__()
+        if inter % size:
+            raise ValueError(f"intermediate size {inter} is not divisible by {size} ranks")
+        part = inter // size
+        self.gate_proj = _Weight(shard_param((part, dim), (0, rank, size), (inter, dim)))
+        self.up_proj = _Weight(shard_param((part, dim), (0, rank, size), (inter, dim)))
+        self.down_proj = _Weight(shard_param((dim, part), (1, rank, size), (dim, inter)))
+
+    def forward(self, x):
+        return F.linear(F.silu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight),
+                        self.down_proj.weight)
+
+
+class _Weight(nn.Module):
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
+class DenseMLP(MLP):
+    """MLP of a dense layer: gate/up column-parallel, down row-parallel, then the TP all-reduce."""
+
+    def __init__(self, dim: int, inter: int, ps: ParallelState = SINGLE):
+        super().__init__(dim, inter, ps.tp_rank, ps.tp_size)
+        self.ps = ps
+
+    def forward(self, x):
+        return all_reduce(super().forward(x), self.ps.tp_group, self.ps.tp_size)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E = cfg.n_routed_experts
+        self.cfg = cfg
+        self.weight = shard_param((E, cfg.hidden_size))
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = shard_param((E,))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [N, D] -> weights [N, k] (fp32), expert ids [N, k]
+        c = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(-1)
+        choice = scores + self.e_score_correction_bias.float() if hasattr(self, "e_score_correction_bias") else scores
+        if c.n_group > 1:
+            grouped = choice.view(-1, c.n_group, c.n_routed_experts // c.n_group)
+            # group score: sum of its top-2 with the bias (noaux_tc), else its max
+            group_score = grouped.topk(2, -1)[0].sum(-1) if c.topk_method == "noaux_tc" else grouped.amax(-1)
+            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(c.topk_group, -1)[1], 1.0)
+            choice = grouped.masked_fill(keep[..., None] == 0, float("-inf")).flatten(1)
+        ids = choice.topk(c.num_experts_per_tok, -1)[1]           # the bias selects, never weighs
+        weights = scores.gather(1, ids)
+        if c.norm_topk_prob and c.num_experts_per_tok > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState = SINGLE):
+        super().__init__()
+        E, tp, ep = cfg.n_routed_experts, ps.tp_size, ps.ep_size
+        if ep < 1 or tp % ep:
+            raise ValueError(f"ep ({ep}) must divide tp ({tp})")
+        if E % ep:
+            raise ValueError(f"n_routed_experts ({E}) is not divisible by ep ({ep})")
+        self.ps, self.num_experts = ps, E
+        etp = tp // ep
+        group, sub = ps.tp_rank // etp, ps.tp_rank % etp
+        self.local = range(group * (E // ep), (group + 1) * (E // ep))
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleDict({str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size, sub, etp)
+                                      for e in self.local})
+        if cfg.n_shared_experts:
+            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                      ps.tp_rank, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., D] (identical on every TP rank) -> [..., D]
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(x)                               # [N, k]
+        y = self.routed(x, weights, ids)
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
+        return all_reduce(y, self.ps.tp_group, self.ps.tp_size).view(shape)  # EP combine + TP reduce
+
+    def routed(self, x, weights, ids) -> torch.Tensor:
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token = order // k
+        w = weights.flatten()[order].to(x.dtype)
+        y = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n and e in self.local:
+                rows = token[start:start + n]
+                y.index_add_(0, rows, self.experts[str(e)](x[rows]) * w[start:start + n, None])
+            start += n
+        return y

@@ -1,0 +1,42 @@
+"""Plain functions over a model and its cache: prefill, decode, and a whole-sequence forward.
+
+Used by tests, tools and the services; the services add batching and the wire around them.
+"""
+from __future__ import annotations
+
+import torch
+
+from models.kv_cache import PagedKVCache
+
+
+def new_cache(model, num_blocks: int = 256, block_size: int = 16) -> PagedKVCache:
+    cfg, p = model.cfg, next(model.parameters())
+    return PagedKVCache(model.num_cache_layers, num_blocks, block_size, cfg.kv_lora_rank,
+                        cfg.qk_rope_head_dim, dtype=p.dtype, device=p.device)
+
+
+@torch.inference_mode()
+def forward_tokens(model, cache: PagedKVCache, seqs: dict[str, list[int]]) -> torch.Tensor:
+    """Append each request's new tokens and run the target. -> final-norm hidden [N, D], request-major."""
+    ids = list(seqs)
+    for r in ids:
+        if r not in cache:
+            cache.allocate(r)
+    batch = cache.prepare(ids, [len(seqs[r]) for r in ids])
+    tokens = torch.tensor([t for r in ids for t in seqs[r]], device=cache.device)
+    return model(tokens, batch, cache)
+
+
+@torch.inference_mode()
+def greedy_generate(model, prompt: list[int], max_new_tokens: int, cache: PagedKVCache | None = None,
+                    request_id: str = "r") -> list[int]:
+    """Target-only greedy decoding (the reference every speculative path must equal)."""
+    cache = cache or new_cache(model)
+    hidden = forward_tokens(model, cache, {request_id: prompt})
+    out = []
+    for _ in range(max_new_tokens):
+        tok = int(model.compute_logits(hidden[-1:]).argmax(-1))
+        out.append(tok)
+        hidden = forward_tokens(model, cache, {request_id: [tok]})
+    cache.release(request_id)
+    return out

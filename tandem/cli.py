@@ -1,0 +1,72 @@
+"""`tandem` command line: one subcommand per role; each builds its typed config and hands over."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BUNDLED_MODEL = REPO / "checkpoints" / "tandem-code-mini"
+TINY_CACHE = Path.home() / ".cache" / "tandem" / "tiny"
+
+
+def default_model() -> Path:
+    """The bundled trained model when present, else a seeded random tiny model (made once)."""
+    if (BUNDLED_MODEL / "config.json").exists():
+        return BUNDLED_MODEL
+    if not (TINY_CACHE / "config.json").exists():
+        from models.tiny import make_tiny
+        make_tiny(TINY_CACHE)
+    return TINY_CACHE
+
+
+def _make_tiny(args) -> int:
+    from models.tiny import make_tiny
+    print(make_tiny(args.out_dir, seed=args.seed))
+    return 0
+
+
+def _generate(args) -> int:
+    import torch
+    from tokenizers import Tokenizer
+    from models.loader import load_model
+    from models.model import TargetModel
+    from models.runner import greedy_generate
+    path = Path(args.model or default_model())
+    model = load_model(TargetModel, path, dtype=torch.float32, device=args.device)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    ids = tok.encode(args.prompt).ids
+    out = greedy_generate(model, ids, args.max_tokens)
+    print(args.prompt + tok.decode(out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    p = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("make-tiny", help="write a small random checkpoint with one MTP layer")
+    s.add_argument("out_dir")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=_make_tiny)
+    s = sub.add_parser("generate", help="greedy generation in this process (no services)")
+    s.add_argument("--model")
+    s.add_argument("--prompt", default="def fibonacci(n):\n")
+    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--device", default="cpu")
+    s.set_defaults(fn=_generate)
+    for name, module in (("serve", "tandem.serve"), ("target", "services.target.server"),
+                         ("draft", "services.draft.server"), ("gateway", "gateway.server"),
+                         ("train", "tandem.train"), ("bench", "tandem.bench")):
+        s = sub.add_parser(name, help=f"see `tandem {name} --help`", add_help=False)
+        s.set_defaults(module=module)
+    args, rest = p.parse_known_args(argv)
+    if hasattr(args, "module"):
+        import importlib
+        return importlib.import_module(args.module).main(rest)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
