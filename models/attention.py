@@ -57,6 +57,22 @@ class MLAttention(nn.Module):
         out = torch.einsum("nhr,hvr->nhv", out_lat, w_uv).reshape(N, h * self.v_dim)
         return self.o_proj(out)
 
+    def forward_causal(self, x: torch.Tensor) -> torch.Tensor:
+        """Training / scoring path without a cache: x [B, T, D] -> [B, T, D], expanded K/V, causal."""
+        B, T, _ = x.shape
+        h, pos = self.heads, torch.arange(T, device=x.device)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        q_nope, q_pe = q.view(B, T, h, -1).split([self.nope, self.rope_dim], -1)
+        q_pe = self.rotary(q_pe.reshape(B * T, h, -1), pos.repeat(B)).view(B, T, h, -1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], -1)
+        k_pe = self.rotary(k_pe.reshape(B * T, 1, -1), pos.repeat(B)).view(B, T, 1, -1).expand(B, T, h, -1)
+        k_nope, v = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, h, -1).split([self.nope, self.v_dim], -1)
+        q = torch.cat([q_nope, q_pe], -1).transpose(1, 2)                    # [B, h, T, qk]
+        k = torch.cat([k_nope, k_pe], -1).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True,
+                                                               scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, h * self.v_dim))
+
 
 def latent_attention(q_lat, q_pe, batch: AttentionBatch, ckv, kpe, scale: float) -> torch.Tensor:
     """Reference attention over the latent cache. q_lat: [N, h, R], q_pe: [N, h, P] -> [N, h, R]."""
@@ -73,20 +89,3 @@ def latent_attention(q_lat, q_pe, batch: AttentionBatch, ckv, kpe, scale: float)
     probs = scores.softmax(-1).to(C.dtype)
     out = torch.einsum("bhtl,blr->bthr", probs, C).reshape(B * Tmax, h, R)
     return out.index_select(0, batch.query_pad_index)
-
-
-    def forward_causal(self, x: torch.Tensor) -> torch.Tensor:
-        """Training / scoring path without a cache: x [B, T, D] -> [B, T, D], expanded K/V, causal."""
-        B, T, _ = x.shape
-        h, pos = self.heads, torch.arange(T, device=x.device)
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
-        q_nope, q_pe = q.view(B, T, h, -1).split([self.nope, self.rope_dim], -1)
-        q_pe = self.rotary(q_pe.reshape(B * T, h, -1), pos.repeat(B)).view(B, T, h, -1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], -1)
-        k_pe = self.rotary(k_pe.reshape(B * T, 1, -1), pos.repeat(B)).view(B, T, 1, -1).expand(B, T, h, -1)
-        k_nope, v = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, h, -1).split([self.nope, self.v_dim], -1)
-        q = torch.cat([q_nope, q_pe], -1).transpose(1, 2)                    # [B, h, T, qk]
-        k = torch.cat([k_nope, k_pe], -1).transpose(1, 2)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True,
-                                                               scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, h * self.v_dim))

@@ -132,6 +132,10 @@ class ModelConfig:
                  f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})")
             need(1 <= self.topk_group <= self.n_group,
                  f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+            per_group = self.n_routed_experts // self.n_group
+            need(self.num_experts_per_tok <= self.topk_group * per_group,   # else top-k picks masked experts
+                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= topk_group ({self.topk_group}) "
+                 f"* experts per group ({per_group})")
             need(self.scoring_func in ("sigmoid", "softmax"),
                  f"scoring_func must be 'sigmoid' or 'softmax', got {self.scoring_func!r}")
             need(self.topk_method in ("noaux_tc", "greedy", "group_limited_greedy"),

@@ -115,11 +115,17 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> dict:
             p.copy_(t)
     ckpt.close()
     unused = sorted(n for n in ckpt.files if n not in used and model.owns_checkpoint_name(n)
-                    and not n.endswith("_scale_inv") and ".mlp.experts." not in n)
+                    and not n.endswith("_scale_inv") and not _other_rank_expert(n, model.cfg.n_routed_experts))
     if unused:
         log.warning("checkpoint %s has %d tensors this model does not use (ignored): %s%s", path,
                     len(unused), ", ".join(unused[:8]), " ..." if len(unused) > 8 else "")
     return {"loaded": len(params), "unused": unused}
+
+
+def _other_rank_expert(name: str, num_experts: int) -> bool:
+    # a routed expert this model has but another EP rank holds; an index past n_routed_experts is unknown
+    m = _FUSED.match(name)
+    return bool(m) and int(m.group(2)) < num_experts
 
 
 def _read_param(ckpt: Checkpoint, candidates: list[str], p) -> tuple[torch.Tensor, list[str]]:

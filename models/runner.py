@@ -19,10 +19,15 @@ def new_cache(model, num_blocks: int = 256, block_size: int = 16) -> PagedKVCach
 def forward_tokens(model, cache: PagedKVCache, seqs: dict[str, list[int]]) -> torch.Tensor:
     """Append each request's new tokens and run the target. -> final-norm hidden [N, D], request-major."""
     ids = list(seqs)
-    for r in ids:
-        if r not in cache:
-            cache.allocate(r)
-    batch = cache.prepare(ids, [len(seqs[r]) for r in ids])
+    new = [r for r in ids if r not in cache]
+    for r in new:
+        cache.allocate(r)
+    try:
+        batch = cache.prepare(ids, [len(seqs[r]) for r in ids])
+    except Exception:  # a step that does not fit (CacheFullError) leaves no request behind
+        for r in new:
+            cache.release(r)
+        raise
     tokens = torch.tensor([t for r in ids for t in seqs[r]], device=cache.device)
     return model(tokens, batch, cache)
 

@@ -1,0 +1,101 @@
+"""The hidden-row contract: describe rows on the sending side, check them on the receiving side.
+
+A sender asserts its tensor matches the descriptor before it sends. A receiver checks the
+descriptor against its own bookkeeping (which requests, how many rows each) before it takes or
+indexes a row; every mismatch is a ContractError naming the request, the expected and the actual
+count, which the services turn into INVALID_ARGUMENT / FAILED_PRECONDITION.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tandem.v1 import rows_pb2 as pb
+
+CONTRACT_VERSION = "tandem.v1/hidden-rows-1"
+DTYPE_TO_PB = {torch.float32: pb.DTYPE_FLOAT32, torch.bfloat16: pb.DTYPE_BFLOAT16, torch.float16: pb.DTYPE_FLOAT16}
+PB_TO_DTYPE = {v: k for k, v in DTYPE_TO_PB.items()}
+
+
+class ServiceError(Exception):
+    """A request the service refuses; `code` is the grpc.StatusCode name it answers with."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class ContractError(ServiceError):
+    """A row descriptor disagrees with the receiver's bookkeeping."""
+
+
+def describe(rows: torch.Tensor, request_ids: list[str], rows_per_request: list[int], transport: int,
+             transfer_id: int = 0) -> pb.HiddenRows:
+    """Descriptor for FULL rows [N, D], request-major. Asserts the tensor matches it."""
+    n = sum(rows_per_request)
+    if rows.dim() != 2 or rows.shape[0] != n or len(request_ids) != len(rows_per_request):
+        raise RuntimeError(f"sender bug: hidden rows tensor {tuple(rows.shape)} does not match "
+                           f"rows_per_request {rows_per_request} (sum {n}) for {len(request_ids)} requests")
+    msg = pb.HiddenRows(num_rows=n, request_ids=request_ids, rows_per_request=rows_per_request,
+                        hidden_size=rows.shape[1], dtype=DTYPE_TO_PB[rows.dtype], layout=pb.ROW_LAYOUT_FULL,
+                        transport=transport, transfer_id=transfer_id)
+    if transport == pb.TRANSPORT_INLINE:
+        msg.inline_data = rows.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return msg
+
+
+def check(desc: pb.HiddenRows, expected: dict[str, int], hidden_size: int, dtype: torch.dtype) -> None:
+    """Receiver side, before any row is touched. `expected`: request id -> rows this side needs."""
+    def fail(msg, code="INVALID_ARGUMENT"):
+        raise ContractError(code, f"hidden rows contract: {msg}")
+    if len(desc.request_ids) != len(desc.rows_per_request):
+        fail(f"request_ids has {len(desc.request_ids)} entries, rows_per_request {len(desc.rows_per_request)}")
+    total = sum(desc.rows_per_request)
+    if desc.layout == pb.ROW_LAYOUT_FULL:
+        if desc.num_rows != total:
+            fail(f"num_rows is {desc.num_rows}, rows_per_request sums to {total}")
+    elif desc.layout == pb.ROW_LAYOUT_SEQUENCE_SHARDED:
+        if desc.shard_count < 1 or desc.shard_index >= desc.shard_count:
+            fail(f"shard_index {desc.shard_index} of shard_count {desc.shard_count}")
+        padded = -(-total // desc.shard_count) * desc.shard_count
+        if desc.padded_num_rows != padded or desc.num_rows != padded // desc.shard_count:
+            fail(f"sequence-sharded rows: expected {padded // desc.shard_count} rows of padded total "
+                 f"{padded} per shard (sum {total} over {desc.shard_count} shards), got num_rows "
+                 f"{desc.num_rows} of padded total {desc.padded_num_rows}")
+    else:
+        fail(f"layout {desc.layout} is not FULL or SEQUENCE_SHARDED")
+    if desc.hidden_size != hidden_size:
+        fail(f"hidden_size is {desc.hidden_size}, expected {hidden_size}")
+    if PB_TO_DTYPE.get(desc.dtype) != dtype:
+        fail(f"dtype is {pb.DType.Name(desc.dtype)}, expected {pb.DType.Name(DTYPE_TO_PB[dtype])}")
+    got = dict(zip(desc.request_ids, desc.rows_per_request))
+    for rid, n in expected.items():
+        if got.get(rid, n) != n:
+            fail(f"request {rid!r}: rows_per_request is {got[rid]}, expected {n} "
+                 f"(one row per newly committed token)")
+    if desc.transport == pb.TRANSPORT_INLINE:
+        row_bytes = hidden_size * torch.finfo(dtype).bits // 8
+        if len(desc.inline_data) != desc.num_rows * row_bytes:
+            fail(f"inline payload holds {len(desc.inline_data) / row_bytes:g} rows, num_rows is {desc.num_rows}")
+    elif desc.transport != pb.TRANSPORT_BRIDGE:
+        fail(f"transport {desc.transport} is not INLINE or BRIDGE")
+
+
+def check_payload(desc: pb.HiddenRows, rows: torch.Tensor) -> None:
+    """The rows that arrived (bridge frame) must be exactly what the descriptor declares."""
+    if tuple(rows.shape) != (desc.num_rows, desc.hidden_size):
+        raise ContractError("INVALID_ARGUMENT", f"hidden rows contract: transfer {desc.transfer_id} carried "
+                            f"{rows.shape[0]} rows of {rows.shape[-1]}, descriptor says num_rows "
+                            f"{desc.num_rows} of {desc.hidden_size}")
+
+
+def decode_inline(desc: pb.HiddenRows, device="cpu") -> torch.Tensor:
+    dtype = PB_TO_DTYPE[desc.dtype]
+    raw = torch.from_numpy(np.frombuffer(desc.inline_data, dtype=np.uint8).copy())
+    return raw.view(dtype).view(desc.num_rows, desc.hidden_size).to(device)
+
+
+def rows_by_request(desc: pb.HiddenRows, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """FULL rows [N, D] -> request id -> its rows [n_r, D] (views, request-major order)."""
+    parts = rows.split(list(desc.rows_per_request))
+    return dict(zip(desc.request_ids, parts))

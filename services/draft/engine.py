@@ -1,0 +1,138 @@
+"""DraftEngine: the MTP proposer with its own paged KV cache.
+
+Alignment: the MTP layer at position i takes (embed(token[i+1]), target hidden h[i]) and predicts
+token[i+2]. Per request the cache holds `committed` positions built from target rows; positions
+beyond are this round's speculative steps (fed the MTP's own normed hidden) and are rolled back
+at the next Propose before the new committed rows are appended.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.speculative import sampling_probs
+from models.kv_cache import CacheFullError, PagedKVCache
+from services.bridge.rows import ServiceError
+
+
+@dataclass
+class DraftSampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+@dataclass
+class ProposeItem:
+    request_id: str
+    new_token_ids: list[int]
+    num_draft_tokens: int
+    sampling: DraftSampling
+    position: int = 0       # index of new_token_ids[0] in the request's sequence (0: new request)
+
+
+class DraftEngine:
+    def __init__(self, model, cache: PagedKVCache, max_model_len: int):
+        self.model, self.cache, self.max_model_len = model, cache, max_model_len
+        self.vocab_size = model.cfg.vocab_size
+        self.committed: dict[str, int] = {}      # request id -> committed cache positions
+        self.sampling: dict[str, DraftSampling] = {}
+
+    def expected_rows(self, items: list[ProposeItem]) -> dict[str, int]:
+        """Rows each item must bring: one per new token; a new request's first token has none.
+        Checks each item's position against this side's bookkeeping first."""
+        if len({it.request_id for it in items}) != len(items):
+            raise ServiceError("INVALID_ARGUMENT", "request ids in one Propose must be unique")
+        out = {}
+        for it in items:
+            rid, known = it.request_id, it.request_id in self.committed
+            seen = self.committed[rid] + 1 if known else 0           # tokens given so far
+            if it.position != seen:
+                raise ServiceError("FAILED_PRECONDITION", f"request {rid!r}: position is {it.position}, the draft "
+                                   f"holds {seen} tokens of it" + ("" if known else " (unknown or released request)"))
+            if not it.new_token_ids or (not known and len(it.new_token_ids) < 2):
+                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: new_token_ids has "
+                                   f"{len(it.new_token_ids)} tokens, a new request needs its prompt and first token")
+            out[rid] = len(it.new_token_ids) - (not known)
+        return out
+
+    @torch.inference_mode()
+    def propose(self, items: list[ProposeItem], rows: dict[str, torch.Tensor]):
+        """rows: request id -> target hidden rows [n_r, D] (already contract-checked)
+        -> per item (draft ids [k], draft probs [k, V] or None)."""
+        for it in items:
+            bad = [t for t in it.new_token_ids if t >= self.vocab_size]
+            if bad:
+                raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: new_token_ids holds "
+                                   f"token id {bad[0]}, vocab_size is {self.vocab_size}")
+        fresh = [it.request_id for it in items if it.request_id not in self.committed]
+        for it in items:
+            if it.request_id in fresh:
+                self.cache.allocate(it.request_id)
+                self.committed[it.request_id], self.sampling[it.request_id] = 0, it.sampling
+            else:                              # drop last round's speculative positions
+                self.cache.rollback(it.request_id, self.cache.length(it.request_id) - self.committed[it.request_id])
+        ids = [it.request_id for it in items]
+        k = [it.num_draft_tokens for it in items]
+        # step 1 appends the committed rows; each row is paired with the token after its position
+        toks = [it.new_token_ids[1:] if it.request_id in fresh else it.new_token_ids for it in items]
+        active = [b for b, t in enumerate(toks) if t]
+        drafts: list[list[int]] = [[] for _ in items]
+        probs: list[list[torch.Tensor]] = [[] for _ in items]
+        try:
+            if active:
+                hidden = self._step([ids[b] for b in active], [toks[b] for b in active],
+                                    torch.cat([rows[ids[b]] for b in active]), step=0)
+                for b in active:
+                    self.committed[ids[b]] = self.cache.length(ids[b])
+                ends = torch.tensor([len(toks[b]) for b in active]).cumsum(0) - 1
+                last = dict(zip(active, hidden[ends.to(hidden.device)]))       # b -> MTP hidden [D]
+                live, s = [b for b in active if k[b] > 0], 0
+                while live:                    # steps 2..k reuse the layer on its own normed hidden
+                    for b, (tok, q) in zip(live, self._pick(torch.stack([last[b] for b in live]),
+                                                            [self.sampling[ids[b]] for b in live])):
+                        drafts[b].append(tok)
+                        if q is not None:
+                            probs[b].append(q)
+                    s += 1
+                    live = [b for b in live if k[b] > s]
+                    if live:
+                        h = self._step([ids[b] for b in live], [[drafts[b][-1]] for b in live],
+                                       torch.stack([last[b] for b in live]), step=s)
+                        last.update(zip(live, h))
+        except CacheFullError as e:
+            raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
+        return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+    def _step(self, ids: list[str], toks: list[list[int]], hidden: torch.Tensor, step: int) -> torch.Tensor:
+        batch = self.cache.prepare(ids, [len(t) for t in toks])
+        tokens = torch.tensor([t for ts in toks for t in ts], device=self.cache.device)
+        return self.model(tokens, hidden.to(self.cache.device, next(self.model.parameters()).dtype),
+                          batch, self.cache, step=step)
+
+    def _pick(self, hidden: torch.Tensor, samplings: list[DraftSampling]):
+        """hidden [M, D] -> (token, q [V] or None) per row: argmax when greedy, else a sample of q."""
+        logits = self.model.compute_logits(hidden)
+        if all(s.greedy for s in samplings):
+            return [(int(t), None) for t in logits.argmax(-1).tolist()]
+        dev = logits.device
+        q = sampling_probs(logits, torch.tensor([s.temperature for s in samplings], device=dev),
+                           torch.tensor([s.top_k for s in samplings], device=dev),
+                           torch.tensor([s.top_p for s in samplings], device=dev)).cpu()
+        return [(int(qi.argmax()), None) if s.greedy else
+                (int((qi / torch.empty_like(qi).exponential_(generator=s.generator)).argmax()), qi)
+                for qi, s in zip(q, samplings)]
+
+    def release(self, ids: list[str]) -> int:
+        n = 0
+        for rid in ids:
+            n += self.committed.pop(rid, None) is not None
+            self.sampling.pop(rid, None)
+            self.cache.release(rid)
+        return n

@@ -1,0 +1,113 @@
+"""`tandem draft`: the DraftService gRPC server over a DraftEngine (the MTP proposer)."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from services.bridge.channel import RowChannel
+from services.bridge.rows import (CONTRACT_VERSION, ServiceError, check, check_payload, decode_inline,
+                                  rows_by_request)
+from services.config import ServiceConfig, parse, setup_torch
+from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
+from tandem import grpc_server
+from tandem.v1 import draft_pb2, draft_pb2_grpc, rows_pb2, target_pb2
+
+log = logging.getLogger("tandem.draft")
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, cfg: ServiceConfig, engine: DraftEngine, channel: RowChannel | None):
+        self.cfg, self.engine, self.channel = cfg, engine, channel
+        self.lock = threading.Lock()
+        self.hidden_size = engine.model.cfg.hidden_size
+
+    def _item(self, it) -> ProposeItem:
+        s = it.sampling
+        gen = None
+        if s.temperature > 0:
+            gen = torch.Generator().manual_seed((s.seed + 1) if s.HasField("seed") else torch.seed())
+        return ProposeItem(it.request_id, list(it.new_token_ids), it.num_draft_tokens,
+                           DraftSampling(s.temperature, s.top_k, s.top_p, gen), it.position)
+
+    def _gather_rows(self, request, expected: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Check every row set against `expected` before touching it; -> request id -> rows [n, D]."""
+        out: dict[str, torch.Tensor] = {}
+        dtype = self.engine.model.lm_head.weight.dtype
+        for desc in request.hidden_rows:
+            mine = {r: expected[r] for r in desc.request_ids if r in expected}
+            try:
+                check(desc, mine, self.hidden_size, dtype)
+                if desc.layout != rows_pb2.ROW_LAYOUT_FULL:
+                    raise ServiceError("INVALID_ARGUMENT", "hidden rows contract: the draft takes FULL rows; "
+                                       f"got layout {rows_pb2.RowLayout.Name(desc.layout)}")
+                if desc.transport == rows_pb2.TRANSPORT_INLINE:
+                    rows = decode_inline(desc, self.cfg.device)
+                else:
+                    if self.channel is None:
+                        raise ServiceError("FAILED_PRECONDITION", "rows sent on the bridge, but this draft "
+                                           "runs with --hidden-transport inline")
+                    rows = self.channel.take(desc.transfer_id, self.cfg.bridge_timeout_s)
+                    check_payload(desc, rows)
+            except TimeoutError as e:
+                raise ServiceError("UNAVAILABLE", str(e)) from None
+            except ServiceError:
+                if desc.transport == rows_pb2.TRANSPORT_BRIDGE and self.channel is not None:
+                    self.channel.discard(desc.transfer_id)
+                raise
+            for rid, r in rows_by_request(desc, rows).items():
+                if rid in mine:
+                    if rid in out:
+                        raise ServiceError("INVALID_ARGUMENT", f"request {rid!r} appears in two hidden row sets")
+                    out[rid] = r
+        missing = [r for r in expected if r not in out]
+        if missing:
+            raise ServiceError("INVALID_ARGUMENT", f"hidden rows contract: request {missing[0]!r} needs "
+                               f"{expected[missing[0]]} rows and no hidden row set names it")
+        return out
+
+    def Propose(self, request, context):
+        try:
+            with self.lock:
+                items = [self._item(it) for it in request.items]
+                expected = self.engine.expected_rows(items)
+                rows = self._gather_rows(request, expected)
+                results = self.engine.propose(items, rows)
+        except ServiceError as e:
+            grpc_server.abort(context, e.code, str(e))
+        return draft_pb2.ProposeResponse(results=[
+            draft_pb2.ProposeResult(draft_token_ids=d, draft_probs=b"" if q is None else
+                                    q.float().numpy().astype("<f4").tobytes()) for d, q in results])
+
+    def Release(self, request, context):
+        with self.lock:
+            return target_pb2.ReleaseResponse(released=self.engine.release(list(request.request_ids)))
+
+    def GetInfo(self, request, context):
+        e, cfg = self.engine, self.engine.model.cfg
+        return target_pb2.InfoResponse(
+            model=self.cfg.model, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            eos_token_ids=list(cfg.eos_token_ids), max_model_len=e.max_model_len,
+            kv_blocks_total=e.cache.num_blocks, kv_blocks_free=e.cache.num_free_blocks,
+            running_requests=len(e.committed), contract_version=CONTRACT_VERSION,
+            num_nextn_predict_layers=cfg.num_nextn_predict_layers)
+
+
+def main(argv=None) -> int:
+    from models.kv_cache import PagedKVCache
+    from models.loader import load_model
+    from models.model import DraftModel
+    cfg = parse("draft", argv, __doc__)
+    setup_torch(cfg)
+    model = load_model(DraftModel, cfg.model, dtype=cfg.torch_dtype, device=cfg.device)
+    mc = model.cfg
+    cache = PagedKVCache(model.num_cache_layers, cfg.num_blocks, cfg.block_size, mc.kv_lora_rank,
+                         mc.qk_rope_head_dim, cfg.torch_dtype, cfg.device)
+    engine = DraftEngine(model, cache, min(cfg.max_model_len, mc.max_position_embeddings))
+    backend = cfg.bridge_backend
+    channel = RowChannel(cfg.bridge_addr, "receiver", backend, cfg.device) if backend else None
+    servicer = DraftServicer(cfg, engine, channel)
+    grpc_server.serve(lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
+                      ["tandem.v1.DraftService"], cfg.host, cfg.port)
+    return 0

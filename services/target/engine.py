@@ -1,0 +1,175 @@
+"""TargetEngine: the verifier's state machine over the model and its paged KV cache.
+
+Per request it keeps the pending token (the last committed token, whose KV is not in the cache
+yet), the sampling parameters and a seeded generator. Tokens are committed here and nowhere else.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kernels.speculative import greedy_verify, rejection_sample, sampling_probs
+from models.kv_cache import CacheFullError, PagedKVCache
+from services.bridge.rows import ServiceError
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def validate(self, rid: str) -> None:
+        for name, v, ok in (("temperature", self.temperature, self.temperature >= 0),
+                            ("top_p", self.top_p, 0 <= self.top_p <= 1)):
+            if not ok or v != v:
+                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: sampling.{name} is {v}, out of range")
+
+
+def new_generator(seed: int | None) -> torch.Generator:
+    return torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+@dataclass
+class _Request:
+    pending_token: int
+    num_tokens: int
+    sampling: Sampling
+    generator: torch.Generator
+
+
+class TargetEngine:
+    def __init__(self, model, cache: PagedKVCache, max_model_len: int):
+        self.model, self.cache, self.max_model_len = model, cache, max_model_len
+        self.vocab_size = model.cfg.vocab_size
+        self.requests: dict[str, _Request] = {}
+
+    def _check_tokens(self, rid: str, field: str, ids: list[int]) -> None:
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: {field} holds token id {bad[0]}, "
+                                                   f"vocab_size is {self.vocab_size}")
+
+    @torch.inference_mode()
+    def prefill(self, items: list[tuple[str, list[int], Sampling]]):
+        """-> first token per item, final-norm hidden rows of every prompt position [sum T, D]."""
+        ids = [rid for rid, _, _ in items]
+        if len(set(ids)) != len(ids):
+            raise ServiceError("INVALID_ARGUMENT", "request ids in one Prefill must be unique")
+        for rid, prompt, sampling in items:
+            if rid in self.requests:
+                raise ServiceError("ALREADY_EXISTS", f"request {rid!r} is already running")
+            if not prompt:
+                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: prompt_token_ids is empty")
+            if len(prompt) >= self.max_model_len:
+                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: prompt has {len(prompt)} tokens, "
+                                                       f"max_model_len is {self.max_model_len}")
+            self._check_tokens(rid, "prompt_token_ids", prompt)
+            sampling.validate(rid)
+        for rid in ids:
+            self.cache.allocate(rid)
+        try:
+            hidden = self._forward({rid: p for rid, p, _ in items})
+        except BaseException:
+            for rid in ids:
+                self.cache.release(rid)
+            raise
+        lens = torch.tensor([len(p) for _, p, _ in items])
+        last = hidden[lens.cumsum(0) - 1]                                       # [B, D]
+        gens = [new_generator(s.seed) for _, _, s in items]
+        probs = self._probs(self.model.compute_logits(last), [s for _, _, s in items])   # [B, V]
+        first = [self._sample(probs[b], g) for b, g in enumerate(gens)]
+        for (rid, prompt, s), tok, g in zip(items, first, gens):
+            self.requests[rid] = _Request(tok, len(prompt) + 1, s, g)
+        return first, hidden
+
+    @torch.inference_mode()
+    def verify(self, items: list[tuple[str, list[int], torch.Tensor | None]]):
+        """items: (request id, draft tokens [k], draft probs [k, V] or None)
+        -> accepted [B], emitted token lists, hidden rows of the accepted positions [sum(a+1), D]."""
+        for rid, drafts, q in items:
+            if rid not in self.requests:
+                raise ServiceError("FAILED_PRECONDITION", f"request {rid!r} is not running on the target "
+                                                          "(never prefilled, or released)")
+            self._check_tokens(rid, "draft_token_ids", drafts)
+            r = self.requests[rid]
+            if r.num_tokens + len(drafts) > self.max_model_len:
+                raise ServiceError("OUT_OF_RANGE", f"request {rid!r}: {r.num_tokens} tokens + {len(drafts)} "
+                                                   f"drafts exceed max_model_len {self.max_model_len}")
+            if q is not None and (q.shape != (len(drafts), self.vocab_size) or not bool(torch.isfinite(q).all())
+                                  or bool((q < 0).any())):
+                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: draft_probs must be {len(drafts)} x "
+                                                       f"{self.vocab_size} finite non-negative floats")
+        if len({rid for rid, _, _ in items}) != len(items):
+            raise ServiceError("INVALID_ARGUMENT", "request ids in one Verify must be unique")
+        reqs = [self.requests[rid] for rid, _, _ in items]
+        seqs = {rid: [r.pending_token] + list(d) for (rid, d, _), r in zip(items, reqs)}
+        hidden = self._forward(seqs)                                            # [N, D], N = sum(k + 1)
+        B, K = len(items), max(len(d) for _, d, _ in items)
+        V = self.vocab_size
+        k = torch.tensor([len(d) for _, d, _ in items])
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), (k + 1).cumsum(0)[:-1]])
+        idx = (starts[:, None] + torch.arange(K + 1)[None, :]).clamp(max=hidden.shape[0] - 1)
+        valid = torch.arange(K + 1)[None, :] <= k[:, None]                       # [B, K+1]
+        logits = self.model.compute_logits(hidden)                               # [N, V]
+        drafts = torch.tensor([list(d) + [0] * (K - len(d)) for _, d, _ in items], dtype=torch.long)
+        dev = logits.device
+        if all(r.sampling.greedy for r in reqs):
+            target_ids = logits.argmax(-1)[idx.to(dev)].cpu()                       # [B, K+1]
+            accepted, emitted = greedy_verify(target_ids, drafts, k)
+        else:
+            p = self._probs(logits, [r.sampling for (_, d, _), r in zip(items, reqs) for _ in range(len(d) + 1)])
+            p = p[idx.to(dev)].cpu() * valid[..., None]                             # [B, K+1, V]
+            q = torch.zeros(B, K, V)
+            for b, (_, d, qb) in enumerate(items):
+                if qb is not None:
+                    q[b, : len(d)] = qb
+                else:                                                               # greedy draft: one-hot
+                    q[b, torch.arange(len(d)), torch.tensor(list(d), dtype=torch.long)] = 1.0
+            u = torch.stack([torch.rand(K, generator=r.generator) for r in reqs])
+            e = torch.stack([torch.empty(V).exponential_(generator=r.generator) for r in reqs])
+            accepted, emitted = rejection_sample(p, q, drafts, k, u, e)
+        out_tokens, keep_rows = [], []
+        for b, ((rid, d, _), r) in enumerate(zip(items, reqs)):
+            a = int(accepted[b])
+            toks = emitted[b, : a + 1].tolist()
+            self.cache.rollback(rid, len(d) - a)                                 # drop rejected positions
+            r.pending_token, r.num_tokens = toks[-1], r.num_tokens + a + 1
+            out_tokens.append(toks)
+            keep_rows.append(torch.arange(int(starts[b]), int(starts[b]) + a + 1))
+        rows = hidden[torch.cat(keep_rows).to(hidden.device)]
+        return accepted.tolist(), out_tokens, rows
+
+    def release(self, ids: list[str]) -> int:
+        n = 0
+        for rid in ids:
+            n += self.requests.pop(rid, None) is not None
+            self.cache.release(rid)
+        return n
+
+    def _forward(self, seqs: dict[str, list[int]]) -> torch.Tensor:
+        try:
+            batch = self.cache.prepare(list(seqs), [len(s) for s in seqs.values()])
+        except CacheFullError as e:
+            raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
+        tokens = torch.tensor([t for s in seqs.values() for t in s], device=self.cache.device)
+        return self.model(tokens, batch, self.cache)
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
+        """logits [M, V] -> target distributions [M, V], one Sampling per row."""
+        t = torch.tensor([s.temperature for s in samplings], device=logits.device)
+        tk = torch.tensor([s.top_k for s in samplings], device=logits.device)
+        tp = torch.tensor([s.top_p for s in samplings], device=logits.device)
+        return sampling_probs(logits, t, tk, tp)
+
+    @staticmethod
+    def _sample(probs: torch.Tensor, gen: torch.Generator) -> int:
+        return int((probs.cpu() / torch.empty(probs.shape[-1]).exponential_(generator=gen)).argmax())

@@ -1,0 +1,112 @@
+"""`tandem target`: the TargetService gRPC server over a TargetEngine."""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+import numpy as np
+import torch
+
+from services.bridge.channel import RowChannel
+from services.bridge.rows import CONTRACT_VERSION, ServiceError, describe
+from services.config import ServiceConfig, parse, setup_torch
+from services.target.engine import Sampling, TargetEngine
+from tandem import grpc_server
+from tandem.v1 import rows_pb2, target_pb2, target_pb2_grpc
+
+log = logging.getLogger("tandem.target")
+
+
+def sampling_from_pb(s: rows_pb2.SamplingParams) -> Sampling:
+    return Sampling(s.temperature, s.top_p, s.top_k, s.seed if s.HasField("seed") else None)
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, cfg: ServiceConfig, engine: TargetEngine, channel: RowChannel | None):
+        self.cfg, self.engine, self.channel = cfg, engine, channel
+        self.lock = threading.Lock()          # one step at a time: the engine owns the cache
+        self._transfer_ids = itertools.count(1)
+
+    def _rows(self, want: bool, transport: int, request_ids, rows_per_request, rows) -> rows_pb2.HiddenRows | None:
+        if not want:
+            return None
+        use_bridge = transport != rows_pb2.TRANSPORT_INLINE and self.channel is not None and self.channel.ready
+        if not use_bridge:
+            return describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_INLINE)
+        tid = next(self._transfer_ids)
+        desc = describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_BRIDGE, tid)
+        self.channel.send(tid, rows)
+        return desc
+
+    def _guard(self, context, fn):
+        try:
+            with self.lock:
+                return fn()
+        except ServiceError as e:
+            grpc_server.abort(context, e.code, str(e))
+
+    def Prefill(self, request, context):
+        def run():
+            items = [(it.request_id, list(it.prompt_token_ids), sampling_from_pb(it.sampling)) for it in request.items]
+            if not items:
+                raise ServiceError("INVALID_ARGUMENT", "items is empty")
+            first, hidden = self.engine.prefill(items)
+            rows = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
+                              [len(i[1]) for i in items], hidden)
+            return target_pb2.PrefillResponse(first_token_ids=first, hidden_rows=rows)
+        return self._guard(context, run)
+
+    def Verify(self, request, context):
+        def run():
+            V = self.engine.vocab_size
+            items = []
+            for it in request.items:
+                q = None
+                if it.draft_probs:
+                    k = len(it.draft_token_ids)
+                    if len(it.draft_probs) != k * V * 4:
+                        raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: draft_probs has "
+                                           f"{len(it.draft_probs)} bytes, expected {k} x {V} float32 = {k * V * 4}")
+                    q = torch.from_numpy(np.frombuffer(it.draft_probs, dtype="<f4").copy()).view(k, V)
+                items.append((it.request_id, list(it.draft_token_ids), q))
+            if not items:
+                raise ServiceError("INVALID_ARGUMENT", "items is empty")
+            accepted, emitted, rows = self.engine.verify(items)
+            results = [target_pb2.VerifyResult(num_accepted=a, emitted_token_ids=t) for a, t in zip(accepted, emitted)]
+            desc = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
+                              [a + 1 for a in accepted], rows)
+            return target_pb2.VerifyResponse(results=results, hidden_rows=desc)
+        return self._guard(context, run)
+
+    def Release(self, request, context):
+        with self.lock:
+            return target_pb2.ReleaseResponse(released=self.engine.release(list(request.request_ids)))
+
+    def GetInfo(self, request, context):
+        e, cfg = self.engine, self.engine.model.cfg
+        return target_pb2.InfoResponse(
+            model=self.cfg.model, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            eos_token_ids=list(cfg.eos_token_ids), max_model_len=e.max_model_len,
+            kv_blocks_total=e.cache.num_blocks, kv_blocks_free=e.cache.num_free_blocks,
+            running_requests=len(e.requests), contract_version=CONTRACT_VERSION,
+            num_nextn_predict_layers=cfg.num_nextn_predict_layers)
+
+
+def main(argv=None) -> int:
+    from models.kv_cache import PagedKVCache
+    from models.loader import load_model
+    from models.model import TargetModel
+    cfg = parse("target", argv, __doc__)
+    setup_torch(cfg)
+    model = load_model(TargetModel, cfg.model, dtype=cfg.torch_dtype, device=cfg.device)
+    mc = model.cfg
+    cache = PagedKVCache(mc.num_hidden_layers, cfg.num_blocks, cfg.block_size, mc.kv_lora_rank,
+                         mc.qk_rope_head_dim, cfg.torch_dtype, cfg.device)
+    engine = TargetEngine(model, cache, min(cfg.max_model_len, mc.max_position_embeddings))
+    backend = cfg.bridge_backend
+    channel = RowChannel(cfg.bridge_addr, "sender", backend, cfg.device) if backend else None
+    servicer = TargetServicer(cfg, engine, channel)
+    grpc_server.serve(lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
+                      ["tandem.v1.TargetService"], cfg.host, cfg.port)
+    return 0

@@ -1,0 +1,116 @@
+"""`tandem serve`: the local cluster — target, draft and gateway as separate processes.
+
+Starts each, waits until all report SERVING over gRPC health, prints the endpoints, and stops
+all of them cleanly on Ctrl-C / SIGTERM (or when one of them exits).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def wait_serving(addr: str, proc: subprocess.Popen, name: str, timeout_s: float) -> None:
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(addr))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited with code {proc.returncode} while starting")
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{name} at {addr} was not SERVING after {timeout_s:.0f}s")
+
+
+def parse(argv):
+    from tandem.cli import default_model
+    p = argparse.ArgumentParser(prog="tandem serve", description=__doc__)
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (target on cuda:0, draft on cuda:1 if present)")
+    p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--hidden-transport", default="auto", choices=["auto", "gloo", "nccl", "inline"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=50051, help="the gateway's public gRPC port")
+    p.add_argument("--target-port", type=int, default=50052)
+    p.add_argument("--draft-port", type=int, default=50053)
+    p.add_argument("--bridge-port", type=int, default=29650)
+    p.add_argument("--num-blocks", type=int, default=2048)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    a = p.parse_args(argv)
+    a.model = str(a.model or default_model())
+    a.dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
+    return a
+
+
+def commands(a) -> list[tuple[str, list[str], str]]:
+    py = [sys.executable, "-m", "tandem"]
+    t_dev = d_dev = a.device
+    if a.device == "cuda":
+        import torch
+        t_dev, d_dev = "cuda:0", ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+    transport = a.hidden_transport
+    if transport == "auto" and t_dev == d_dev and t_dev != "cpu":
+        transport = "inline"          # one GPU: NCCL refuses two ranks on it
+    common = ["--model", a.model, "--dtype", a.dtype, "--hidden-transport", transport,
+              "--bridge-addr", f"127.0.0.1:{a.bridge_port}", "--num-blocks", str(a.num_blocks)]
+    cmds = [("target", py + ["target", "--device", t_dev, "--grpc-port", str(a.target_port)] + common,
+             f"127.0.0.1:{a.target_port}")]
+    if a.num_speculative_tokens > 0:
+        cmds.append(("draft", py + ["draft", "--device", d_dev, "--grpc-port", str(a.draft_port)] + common,
+                     f"127.0.0.1:{a.draft_port}"))
+    cmds.append(("gateway", py + ["gateway", "--model", a.model, "-k", str(a.num_speculative_tokens),
+                                  "--host", a.host, "--grpc-port", str(a.grpc_port),
+                                  "--target-addr", f"127.0.0.1:{a.target_port}",
+                                  "--draft-addr", f"127.0.0.1:{a.draft_port}",
+                                  "--hidden-transport", transport, "--max-batch", str(a.max_batch)],
+                 f"{a.host}:{a.grpc_port}"))
+    return cmds
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    procs: list[tuple[str, subprocess.Popen]] = []
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        for name, cmd, addr in commands(a):
+            proc = subprocess.Popen(cmd, env=env)
+            procs.append((name, proc))
+            wait_serving(addr, proc, name, a.startup_timeout)
+        print(f"tandem: serving {a.model} (K={a.num_speculative_tokens}, {a.device})", flush=True)
+        for name, _, addr in commands(a):
+            print(f"  {name:8s} grpc://{addr}", flush=True)
+        while not stopping:
+            for name, p in procs:
+                if p.poll() is not None:
+                    print(f"tandem: {name} exited with code {p.returncode}; stopping", file=sys.stderr)
+                    stopping = True
+            time.sleep(0.2)
+    finally:
+        for _, p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _, p in reversed(procs):
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return 0
