@@ -1,0 +1,149 @@
+"""Target and draft engines in process: acceptance, rollback, draft alignment, lossless sampling."""
+import math
+
+import pytest
+import torch
+
+from models.config import ModelConfig
+from models.loader import build
+from models.model import DraftModel, TargetModel
+from models.runner import greedy_generate, new_cache
+from models.tiny import TINY_CONFIG, init_random_
+from services.bridge.rows import ServiceError
+from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
+from services.target.engine import Sampling, TargetEngine
+
+
+def make_models(vocab=512, head_std=0.02, seed=0):
+    cfg = ModelConfig.from_dict({**TINY_CONFIG, "vocab_size": vocab})
+    target = init_random_(build(TargetModel, cfg), seed)
+    draft = init_random_(build(DraftModel, cfg), seed + 1)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        target.lm_head.weight.normal_(0, head_std, generator=torch.Generator().manual_seed(seed + 2))
+        draft.lm_head.weight.copy_(target.lm_head.weight * 0.7)
+    return target, draft
+
+
+def engines(target, draft, blocks=512):
+    return (TargetEngine(target, new_cache(target, blocks), 2048),
+            DraftEngine(draft, new_cache(draft, blocks), 2048))
+
+
+def speculate(te: TargetEngine, de: DraftEngine, prompts: dict, k: int, n: int, sampling=None):
+    """The gateway's loop in miniature: prefill, then Propose -> Verify rounds until n tokens each."""
+    sampling = sampling or {r: Sampling() for r in prompts}
+    first, hidden = te.prefill([(r, p, sampling[r]) for r, p in prompts.items()])
+    rows = dict(zip(prompts, hidden.split([len(p) for p in prompts.values()])))
+    out = {r: [t] for r, t in zip(prompts, first)}
+    pending = {r: list(p) + [t] for (r, p), t in zip(prompts.items(), first)}
+    position = {r: 0 for r in prompts}
+    gens = {r: torch.Generator().manual_seed(1000 + i) for i, r in enumerate(prompts)}
+    while any(len(o) < n for o in out.values()):
+        live = [r for r in prompts if len(out[r]) < n]
+        items = [ProposeItem(r, pending[r], k, DraftSampling(sampling[r].temperature, sampling[r].top_k,
+                                                             sampling[r].top_p, gens[r]), position[r]) for r in live]
+        expected = de.expected_rows(items)
+        assert all(expected[r] == rows[r].shape[0] for r in live), (expected, {r: rows[r].shape for r in live})
+        proposals = de.propose(items, {r: rows[r] for r in live})
+        for r in live:
+            position[r] += len(pending[r])
+        accepted, emitted, hidden = te.verify([(r, d, q) for r, (d, q) in zip(live, proposals)])
+        rows.update(zip(live, hidden.split([a + 1 for a in accepted])))
+        for r, toks in zip(live, emitted):
+            out[r] += toks
+            pending[r] = toks
+    return {r: o[:n] for r, o in out.items()}, te, de
+
+
+def test_oracle_drafts_accepted_and_rolled_back():
+    target, _ = make_models()
+    te = TargetEngine(target, new_cache(target, 64), 2048)
+    prompt = [3, 17, 42, 9, 100, 7]
+    ref = greedy_generate(target, prompt, 12)
+    (first,), _ = te.prefill([("a", prompt, Sampling())])
+    assert first == ref[0]
+    acc, out, rows = te.verify([("a", ref[1:4], None)])                 # all three drafts right
+    assert acc == [3] and out == [ref[1:5]] and rows.shape[0] == 4
+    acc, out, rows = te.verify([("a", [ref[5], ref[6], 1, 2], None)])   # wrong at position 2
+    assert acc == [2] and out == [ref[5:8]] and rows.shape[0] == 3
+    assert te.cache.length("a") == len(prompt) + 1 + 4 + 2               # rejected positions rolled back
+    acc, out, _ = te.verify([("a", [], None)])                          # k = 0: plain decoding
+    assert acc == [0] and out == [[ref[8]]]
+    te.release(["a"])
+    assert te.cache.num_free_blocks == te.cache.num_blocks
+    with pytest.raises(ServiceError) as e:
+        te.verify([("a", [1], None)])
+    assert e.value.code == "FAILED_PRECONDITION" and "'a'" in str(e.value)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_speculation_equals_target_and_draft_is_aligned(k):
+    target, draft = make_models()
+    prompts = {f"r{i}": [(7 * i + j) % 500 + 3 for j in range(3 + 5 * i)] for i in range(4)}
+    out, te, de = speculate(*engines(target, draft), prompts, k, 10)
+    for r, p in prompts.items():
+        assert out[r] == greedy_generate(target, p, 10), r
+    # the draft cache holds exactly the committed pairs (no speculative leftovers after rollback)
+    for r in prompts:
+        assert de.committed[r] <= de.cache.length(r) <= de.committed[r] + k - 1
+
+
+def test_mtp_drafts_match_a_from_scratch_recomputation():
+    """The incremental draft (rollback + append across rounds) proposes what a fresh MTP pass over the
+    whole committed history proposes: the cache alignment is right."""
+    target, draft = make_models()
+    te, de = engines(target, draft)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    (t0,), hidden = te.prefill([("a", prompt, Sampling())])
+    seq, rows, pending, pos = prompt + [t0], hidden, prompt + [t0], 0
+    for _ in range(4):
+        (drafts, _), = de.propose([ProposeItem("a", pending, 2, DraftSampling(), pos)], {"a": rows})
+        pos += len(pending)
+        # from scratch: target hidden over seq[:-1], MTP over pairs (h_i, seq[i+1]) in a fresh cache
+        t2 = TargetEngine(target, new_cache(target, 64), 2048)
+        _, h_all = t2.prefill([("x", seq[:-1], Sampling())])
+        fresh = DraftEngine(draft, new_cache(draft, 64), 2048)
+        (ref, _), = fresh.propose([ProposeItem("x", seq, 1, DraftSampling(), 0)], {"x": h_all})
+        assert drafts[0] == ref[0]
+        acc, (toks,), rows = te.verify([("a", drafts, None)])
+        seq += toks
+        pending = toks
+
+
+def _chi2_crit(df: int, z: float = 3.09) -> float:
+    # Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@torch.inference_mode()
+def _exact_next(target, prefixes: list[list[int]], sampling: Sampling) -> torch.Tensor:
+    """Target-only distribution of the next token after each prefix -> [P, V]."""
+    h = target.model(torch.tensor(prefixes), None, None)[:, -1]
+    logits = target.compute_logits(h)
+    n = len(prefixes)
+    return TargetEngine._probs(logits, [sampling] * n)
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_speculative_sampling_matches_target_distribution(top_k):
+    V, N = 16, 3000
+    target, draft = make_models(vocab=V, head_std=0.6, seed=3)
+    s = Sampling(temperature=1.0, top_k=top_k)
+    prompt = [1, 2, 3, 4]
+    prompts = {f"s{i}": prompt for i in range(N)}
+    samp = {r: Sampling(1.0, 0.0, top_k, seed=i) for i, r in enumerate(prompts)}
+    out, te, _ = speculate(*engines(target, draft, blocks=N + 8), prompts, 2, 3, samp)
+    toks = torch.tensor([out[r] for r in prompts])                       # [N, 3]
+    p1 = _exact_next(target, [prompt], s)[0]                             # [V]
+    p2 = _exact_next(target, [prompt + [a] for a in range(V)], s)        # [V, V]
+    joint = (p1[:, None] * p2).flatten()                                 # P(t1, t2)
+    p3 = _exact_next(target, [prompt + [a, b] for a in range(V) for b in range(V)], s)
+    marg3 = (joint[:, None] * p3).sum(0)                                 # P(t3)
+    for observed, expected in ((toks[:, 0] * V + toks[:, 1], joint), (toks[:, 2], marg3)):
+        counts = torch.bincount(observed, minlength=expected.numel()).double()
+        e = expected.double() * N
+        keep = e > 0
+        assert counts[~keep].sum() == 0                                  # never a token outside top-k
+        chi2 = ((counts[keep] - e[keep]) ** 2 / e[keep]).sum().item()
+        assert chi2 < _chi2_crit(int(keep.sum()) - 1), (chi2, int(keep.sum()))
