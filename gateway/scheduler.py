@@ -70,6 +70,7 @@ class GenRequest:
     draft_position: int = 0                                  # index of draft_tokens[0]
     rows: rows_pb2.HiddenRows | None = None                  # the row set holding their rows
     finished: bool = False
+    cancelled: bool = False                                  # client gone while a call held it
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -84,6 +85,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]    # several gateways may share one target
+        self._in_flight: set[str] = set()      # ids in the Prefill or round now awaiting the services
 
     def new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
@@ -93,11 +95,17 @@ class Scheduler:
         self._wake.set()
 
     def cancel(self, r: GenRequest) -> None:
-        """Client gone: drop it from the queues and free its state in both services."""
+        """Client gone: drop it from the queues and free its state in both services.
+
+        A request held by the call now in flight is only marked, and finished when that call
+        returns: a Release sent now could overtake its Prefill (leaving it on the target) or its
+        Propose/Verify (failing the whole round with "not running")."""
         if r in self.waiting:
             self.waiting.remove(r)
         elif not r.finished:
-            self._finish(r, None)
+            r.cancelled = True
+            if r.id not in self._in_flight:
+                self._finish(r, None)
 
     async def run(self) -> None:
         while True:
@@ -115,9 +123,21 @@ class Scheduler:
         room = self.max_batch - len(self.running)
         if self.waiting and room > 0:
             new, self.waiting = self.waiting[:room], self.waiting[room:]
-            await self._prefill(new)
+            await self._holding(new, self._prefill(new))
         if self.running:
-            await self._round(list(self.running))
+            batch = list(self.running)
+            await self._holding(batch, self._round(batch))
+
+    async def _holding(self, reqs: list[GenRequest], call) -> None:
+        """Await one Prefill or round over `reqs`; then finish those cancelled meanwhile."""
+        self._in_flight = {r.id for r in reqs}
+        try:
+            await call
+        finally:
+            self._in_flight = set()
+            for r in reqs:
+                if r.cancelled and not r.finished:
+                    self._finish(r, None)
 
     async def _prefill(self, new: list[GenRequest]) -> None:
         req = target_pb2.PrefillRequest(
@@ -179,22 +199,27 @@ class Scheduler:
             self._commit(r, list(res.emitted_token_ids))
 
     def _commit(self, r: GenRequest, tokens: list[int]) -> None:
+        """Commit the target's tokens in order up to the first that ends the request (EOS, one that
+        completes a stop string, max_tokens): nothing after it is returned, so the completion
+        (tokens, usage) does not depend on how many drafts a round accepted."""
         if r.finished:
             return
-        new, finish = [], None
+        new, text, finish, stopped = [], "", None, False
         for t in tokens:
             if not r.ignore_eos and t in self.eos:
                 finish = "stop"
                 break
             new.append(t)
+            delta, stopped = r.text.add([t])
+            text += delta
+            if stopped:
+                finish = "stop"
+                break
             if len(r.output_ids) + len(new) >= r.max_tokens:
                 finish = "length"
                 break
         r.output_ids += new
-        text, stopped = r.text.add(new)
-        if stopped:
-            finish = "stop"
-        elif finish:
+        if finish and not stopped:
             text += r.text.flush()
         r.events.put_nowait(Event(new, text, finish))
         if finish:

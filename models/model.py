@@ -6,6 +6,7 @@ Checkpoint names: the target is `model.*` + `lm_head`; MTP layer i is `model.lay
 """
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -17,21 +18,39 @@ from models.kv_cache import AttentionBatch, PagedKVCache
 from models.layers import (ParallelLMHead, ReplicatedLinear, RMSNorm, RotaryEmbedding,
                            VocabParallelEmbedding)
 from models.moe import DenseMLP, MoE
-from models.parallel import ParallelState, SINGLE
+from models.parallel import (ParallelState, SINGLE, all_gather_rows, pad_rows, reduce_scatter_rows,
+                             shard_rows)
+
+# Test-only fault switch, read once at start: the MTP block skips its SP re-gather, so it returns
+# this rank's ceil(T_pad / tp) rows instead of T. The row contract must catch it loudly.
+FAULTS = set(filter(None, os.environ.get("TANDEM_FAULT", "").split(",")))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, ps: ParallelState):
         super().__init__()
+        self.ps = ps
         self.self_attn = MLAttention(cfg, rotary, ps)
         self.mlp = MoE(cfg, ps) if cfg.is_moe_layer(layer_idx) else DenseMLP(cfg.hidden_size, cfg.intermediate_size, ps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # SP-MoE: the partial sums around the MoE are reduce-scattered instead of all-reduced
+        self.sequence_parallel = ps.sequence_parallel and ps.tp_size > 1 and isinstance(self.mlp, MoE)
+        if self.sequence_parallel:
+            self.self_attn.o_proj.reduce = self.mlp.reduce = False
 
-    def forward(self, x, batch: AttentionBatch, ckv, kpe):
-        # x: [N, D] -> [N, D]
-        x = x + self.self_attn(self.input_layernorm(x), batch, ckv, kpe)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, batch: AttentionBatch | None, ckv=None, kpe=None, gather: bool = True):
+        # x: [N, D] -> [N, D] (with SP and gather=False: this rank's rows [ceil(N_pad / tp), D])
+        if not self.sequence_parallel:
+            x = x + self.self_attn(self.input_layernorm(x), batch, ckv, kpe)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        g, tp = self.ps.tp_group, self.ps.tp_size
+        n = x.shape[0]
+        attn = self.self_attn(self.input_layernorm(x), batch, ckv, kpe)            # [N, D] partial sums
+        h = shard_rows(pad_rows(x, tp), self.ps) + reduce_scatter_rows(pad_rows(attn, tp), g, tp)  # [S, D]
+        normed = all_gather_rows(self.post_attention_layernorm(h), g, tp)          # [N_pad, D]
+        h = h + reduce_scatter_rows(self.mlp(normed), g, tp)                         # [S, D]
+        return all_gather_rows(h, g, tp)[:n] if gather else h
 
 
 class DeepseekV3Model(nn.Module):
@@ -91,11 +110,12 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = ReplicatedLinear(2 * D, D, ps)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.skip_sp_gather = "skip_sp_gather" in FAULTS
 
     def forward(self, embeds, hidden, batch, ckv, kpe):
         # embeds: [N, D] embedding of token i+1, hidden: [N, D] hidden of position i -> [N, D]
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], -1))
-        return self.shared_head.norm(super().forward(x, batch, ckv, kpe))
+        return self.shared_head.norm(super().forward(x, batch, ckv, kpe, gather=not self.skip_sp_gather))
 
 
 class DraftModel(nn.Module):

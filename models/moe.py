@@ -86,6 +86,7 @@ class MoE(nn.Module):
         if E % ep:
             raise ValueError(f"n_routed_experts ({E}) is not divisible by ep ({ep})")
         self.ps, self.num_experts = ps, E
+        self.reduce = True                     # False under SP: the caller reduce-scatters instead
         etp = tp // ep
         group, sub = ps.tp_rank // etp, ps.tp_rank % etp
         self.local = range(group * (E // ep), (group + 1) * (E // ep))
@@ -103,7 +104,9 @@ class MoE(nn.Module):
         y = self.routed(x, weights, ids)
         if hasattr(self, "shared_experts"):
             y = y + self.shared_experts(x)
-        return all_reduce(y, self.ps.tp_group, self.ps.tp_size).view(shape)  # EP combine + TP reduce
+        if self.reduce:                                           # EP combine + TP reduce, one call
+            y = all_reduce(y, self.ps.tp_group, self.ps.tp_size)
+        return y.view(shape)
 
     def routed(self, x, weights, ids) -> torch.Tensor:
         k = ids.shape[1]

@@ -11,11 +11,16 @@ import torch.distributed as dist
 class ParallelState:
     tp_rank: int = 0
     tp_size: int = 1
-    ep_rank: int = 0
-    ep_size: int = 1
+    ep_size: int = 1                 # expert groups among the TP ranks (ep divides tp)
     sequence_parallel: bool = False  # SP-MoE: rows reduce-scattered across TP ranks around each MoE
     tp_group: object = None
-    ep_group: object = None
+
+    def decide(self, t: torch.Tensor) -> torch.Tensor:
+        """Make rank 0's decision (sampled tokens, accepted counts) every rank's: one broadcast."""
+        if self.tp_size > 1:
+            dist.broadcast(t, src=dist.get_global_rank(self.tp_group, 0) if self.tp_group else 0,
+                           group=self.tp_group)
+        return t
 
     def shard(self, n: int, what: str) -> int:
         if n % self.tp_size:
@@ -24,6 +29,17 @@ class ParallelState:
 
 
 SINGLE = ParallelState()
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    # x: [N, D] -> [ceil(N / multiple) * multiple, D], zero rows appended
+    extra = -x.shape[0] % multiple
+    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])]) if extra else x
+
+
+def shard_rows(x: torch.Tensor, ps: "ParallelState") -> torch.Tensor:
+    # x: [N_pad, D] identical on all TP ranks -> this rank's [N_pad / tp, D]
+    return x.chunk(ps.tp_size, 0)[ps.tp_rank] if ps.tp_size > 1 else x
 
 
 def all_reduce(x: torch.Tensor, group, size: int) -> torch.Tensor:

@@ -1,12 +1,9 @@
 """`tandem train`: a small DeepSeek-V3 model (MLA, noaux_tc MoE, one MTP layer) on the Python stdlib.
 
-Corpus: the .py files under the stdlib root (site-packages skipped), held-out split by file with a
-fixed seed. Loss: CE(next token) + mtp_lambda * CE(token t+2 from the final-norm hidden h[t] and
-embed(t+1)); the MTP gradient flows into the main model (no detach), as in DeepSeek-V3. The MTP
-layer shares the target's embedding and LM head (the same Parameters). Routed experts run densely
-(every expert on every token, weighted by a gate that is zero off the top-k): the same function and
-gradients as sparse routing, as three large matmuls with no host sync. After each step the noaux_tc
-bias of each expert moves by +-gamma towards balanced load. bf16 autocast on GPU; resumable.
+Loss: CE(next token) + mtp_lambda * CE(token t+2 from the final-norm hidden h[t] and embed(t+1)); the
+MTP gradient flows into the main model (no detach), as in DeepSeek-V3, and the MTP layer shares the
+target's embedding and LM head Parameters. Routed experts run densely (every expert on every token, the
+gate zero off the top-k): the function and gradients of sparse routing, in three matmuls, no host sync.
 """
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +28,12 @@ from models.model import DraftModel, TargetModel
 from models.moe import MoE
 from models.tiny import init_random_, train_tokenizer
 
-EOS, SKIP_DIRS, TEST_DIRS = 2, {"site-packages", "dist-packages", "__pycache__"}, {"test", "tests", "idle_test"}
+EOS, SKIP_DIRS = 2, {"site-packages", "dist-packages", "__pycache__"}  # test dirs are kept: code too
+ARCH = dict(  # ~15.5 M parameters with the MTP layer: 31 MB in bf16
+    vocab_size=8192, hidden_size=256, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=8,
+    q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    intermediate_size=768, moe_intermediate_size=256, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5)
 
 
 @dataclass
@@ -40,28 +42,11 @@ class TrainConfig:
     work_dir: str = "build/train-work"         # resumable state (weights + optimizer), never shipped
     resume: str = ""                          # a work checkpoint (last.pt) to continue from
     corpus: str = ""                          # default: the running Python's stdlib root
-    skip_tests: bool = False
     max_files: int = 0                        # 0: all (small for smoke tests)
     heldout_frac: float = 0.05
     seed: int = 0
-    vocab_size: int = 8192                    # model: DeepSeek-V3 layout
-    hidden_size: int = 256
-    layers: int = 5                           # the first dense, the rest MoE; + one MTP layer (MoE)
-    heads: int = 8
-    q_lora_rank: int = 192
-    kv_lora_rank: int = 128
-    qk_nope_head_dim: int = 32
-    qk_rope_head_dim: int = 16
-    v_head_dim: int = 32
-    intermediate_size: int = 768
-    moe_intermediate_size: int = 256
-    n_routed_experts: int = 8
-    n_shared_experts: int = 1
-    experts_per_tok: int = 2
-    n_group: int = 2
-    topk_group: int = 1
-    routed_scaling_factor: float = 2.5
-    seq_len: int = 1024                       # optimisation
+    arch: dict = field(default_factory=lambda: dict(ARCH))  # config.json fields; --arch KEY=JSON overrides
+    seq_len: int = 1024
     batch_size: int = 64                      # sequences per optimizer step
     micro_batch: int = 64                     # sequences per forward
     lr: float = 2e-3
@@ -82,31 +67,19 @@ class TrainConfig:
 
 
 def model_config(c: TrainConfig) -> dict:
-    return dict(
-        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, moe_intermediate_size=c.moe_intermediate_size,
-        num_hidden_layers=c.layers, num_nextn_predict_layers=1, num_attention_heads=c.heads,
-        num_key_value_heads=c.heads, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
-        qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-        n_routed_experts=c.n_routed_experts, n_shared_experts=c.n_shared_experts, num_experts_per_tok=c.experts_per_tok,
-        n_group=c.n_group, topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=True,
-        scoring_func="sigmoid", topk_method="noaux_tc", first_k_dense_replace=1, moe_layer_freq=1, ep_size=1,
-        hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=2 * c.seq_len, rope_theta=10000.0,
-        rope_scaling=None, rope_interleave=True, attention_bias=False, attention_dropout=0.0,
-        initializer_range=0.02, tie_word_embeddings=False, use_cache=True,
-        pad_token_id=0, bos_token_id=1, eos_token_id=EOS, torch_dtype="bfloat16")
+    return dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", **c.arch, norm_topk_prob=True,
+                num_nextn_predict_layers=1, scoring_func="sigmoid", topk_method="noaux_tc", first_k_dense_replace=1,
+                moe_layer_freq=1, ep_size=1, hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=2 * c.seq_len,
+                rope_theta=10000.0, rope_scaling=None, rope_interleave=True, attention_bias=False, attention_dropout=0.0,
+                initializer_range=0.02, tie_word_embeddings=False, use_cache=True, pad_token_id=0, bos_token_id=1,
+                eos_token_id=EOS, torch_dtype="bfloat16")
 
 
-# --- data ----------------------------------------------------------------------------------------
-def corpus_files(root: Path, c: TrainConfig) -> list[str]:
-    # -> sorted relative posix paths of the .py files under 1 MiB (deterministic for a given stdlib)
-    skip = SKIP_DIRS | (TEST_DIRS if c.skip_tests else set())
-    rel = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
-                 if p.is_file() and not skip & set(p.relative_to(root).parts[:-1]) and p.stat().st_size < 1 << 20)
-    return rel[: c.max_files] if c.max_files else rel
-
-
-def split_files(files: list[str], c: TrainConfig) -> tuple[list[str], list[str]]:
+def split_corpus(root: Path, c: TrainConfig) -> tuple[list[str], list[str]]:
+    # the .py files under 1 MiB as sorted relative posix paths -> (train, held-out), split by a seeded shuffle
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                   if p.is_file() and not SKIP_DIRS & set(p.relative_to(root).parts[:-1]) and p.stat().st_size < 1 << 20)
+    files = files[: c.max_files] if c.max_files else files
     order = list(range(len(files)))
     random.Random(c.seed).shuffle(order)
     held = set(order[: max(1, round(c.heldout_frac * len(files)))])
@@ -122,12 +95,12 @@ def token_stream(tok, root: Path, files: list[str]) -> torch.Tensor:
 def prepare_data(c: TrainConfig, out: Path, reuse_tokenizer: bool):
     from tokenizers import Tokenizer
     root = Path(c.corpus or Path(os.__file__).parent)
-    train_files, held_files = split_files(corpus_files(root, c), c)
+    train_files, held_files = split_corpus(root, c)
     (out / "heldout_files.json").write_text(json.dumps(dict(
         root=str(root), python=sys.version.split()[0], seed=c.seed, fraction=c.heldout_frac,
         n_train_files=len(train_files), n_heldout_files=len(held_files), files=held_files), indent=1))
     if not (reuse_tokenizer and (out / "tokenizer.json").exists()):
-        train_tokenizer(((root / f).read_text(errors="ignore") for f in train_files), c.vocab_size, out)
+        train_tokenizer(((root / f).read_text(errors="ignore") for f in train_files), c.arch["vocab_size"], out)
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     train_ids, held_ids = (token_stream(tok, root, fs).to(c.device) for fs in (train_files, held_files))
     info = dict(root=str(root), python=sys.version.split()[0], train_files=len(train_files),
@@ -142,7 +115,6 @@ def sample_batch(stream: torch.Tensor, n: int, T: int, g: torch.Generator) -> to
     return stream[starts + torch.arange(T + 1, device=stream.device)]
 
 
-# --- model ---------------------------------------------------------------------------------------
 def dense_moe_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
     # x: [..., D] -> [..., D]; replaces MoE.forward on single-rank training modules
     shape, x = x.shape, x.reshape(-1, x.shape[-1])                         # [N, D]
@@ -163,8 +135,7 @@ def dense_moe_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
 def build_models(cfg: ModelConfig, c: TrainConfig):
     target = init_random_(build(TargetModel, cfg, device=c.device), c.seed).train()
     draft = init_random_(build(DraftModel, cfg, device=c.device), c.seed + 1).train()
-    draft.embed_tokens.weight = target.model.embed_tokens.weight           # shared, as DeepSeek ships them
-    draft.lm_head.weight = target.lm_head.weight
+    draft.embed_tokens.weight, draft.lm_head.weight = target.model.embed_tokens.weight, target.lm_head.weight  # shared
     params = list({id(p): p.requires_grad_(True) for p in itertools.chain(target.parameters(), draft.parameters())}.values())
     moes = [m for m in itertools.chain(target.modules(), draft.modules()) if isinstance(m, MoE)]
     for m in moes:  # the bias is moved by the load rule, never by gradients
@@ -191,16 +162,14 @@ def autocast(c: TrainConfig):
 
 @torch.no_grad()
 def evaluate(target, draft, held: torch.Tensor, c: TrainConfig, n_seqs: int) -> dict:
-    T = c.seq_len
-    n = min(n_seqs, (held.numel() - 1) // (T + 1))
+    T, n = c.seq_len, min(n_seqs, (held.numel() - 1) // (c.seq_len + 1))
     windows, sums = held[: n * (T + 1)].view(n, T + 1), torch.zeros(5, device=held.device)
     target.eval(), draft.eval()
     for i in range(0, n, c.micro_batch):
         chunk = windows[i: i + c.micro_batch]                              # [b, T+1]
         with autocast(c):
             main, mtp, logits, mlogits = forward_losses(target, draft, chunk)
-        pred, mpred = logits.argmax(-1), mlogits.argmax(-1)                # [b, T], [b, T-1]
-        # MTP top-1 against the true t+2 token, and against the main model's own greedy pick at t+1
+        pred, mpred = logits.argmax(-1), mlogits.argmax(-1)  # [b, T], [b, T-1]; MTP vs true t+2 and vs greedy t+1
         sums += len(chunk) * torch.stack([main, mtp, (pred == chunk[:, 1:]).float().mean(),
                                           (mpred == chunk[:, 2:]).float().mean(), (mpred == pred[:, 1:]).float().mean()])
     target.train(), draft.train()
@@ -209,35 +178,29 @@ def evaluate(target, draft, held: torch.Tensor, c: TrainConfig, n_seqs: int) -> 
                 eval_tokens=n * T)
 
 
-def lr_at(step: int, progress: float, c: TrainConfig) -> float:
-    if step < c.warmup_steps:
-        return c.lr * (step + 1) / c.warmup_steps
-    return c.lr * (c.min_lr_frac + (1 - c.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
-
 def export(target, draft, cfg_raw: dict, out: Path) -> int:
     # HF layout; the MTP layer's embed_tokens / shared_head.head are left out (the loader falls back)
     L = cfg_raw["num_hidden_layers"]
     tensors = {k: v.to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16)
                for k, v in checkpoint_tensors(target, draft).items()
                if k not in (f"model.layers.{L}.embed_tokens.weight", f"model.layers.{L}.shared_head.head.weight")}
-    for f in [*out.glob("*.safetensors"), *out.glob("model.safetensors.index.json")]:
-        f.unlink()
+    [f.unlink() for f in [*out.glob("*.safetensors"), *out.glob("model.safetensors.index.json")]]   # stale shards
     save_checkpoint(tensors, out, max_shard_bytes=16 << 20)
     (out / "config.json").write_text(json.dumps(cfg_raw, indent=1))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 1, "eos_token_id": EOS, "pad_token_id": 0, "do_sample": False}, indent=1))
+    (out / "generation_config.json").write_text(json.dumps(dict(bos_token_id=1, eos_token_id=EOS, do_sample=False)))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-# --- the run -------------------------------------------------------------------------------------
 def parse(argv: list[str]) -> TrainConfig:
     p = argparse.ArgumentParser(prog="tandem train", description=__doc__.splitlines()[0])
-    for f in dataclasses.fields(TrainConfig):
+    p.add_argument("--arch", action="append", default=[], metavar="KEY=JSON", help="config.json field, e.g. hidden_size=128")
+    for f in (f for f in dataclasses.fields(TrainConfig) if f.name != "arch"):
         kind = type(f.default)
         conv = (lambda s: s.lower() in ("1", "true", "yes", "on")) if kind is bool else kind
         p.add_argument("--" + f.name.replace("_", "-"), type=conv, default=f.default, metavar=kind.__name__.upper())
-    return TrainConfig(**vars(p.parse_args(argv)))
+    args = vars(p.parse_args(argv))
+    args["arch"] = {**ARCH, **{k: json.loads(v) for k, v in (a.split("=", 1) for a in args["arch"])}}
+    return TrainConfig(**args)
 
 
 def main(argv: list[str]) -> int:
@@ -252,7 +215,7 @@ def main(argv: list[str]) -> int:
     train_ids, held_ids, corpus = prepare_data(c, out, reuse_tokenizer=state is not None)   # [N_train], [N_held]
     cfg_raw = model_config(c)
     target, draft, moes, params = build_models(ModelConfig.from_dict(cfg_raw), c)
-    n_target, n_mtp = (sum(p.numel() for p in target.parameters()), sum(p.numel() for p in draft.mtp.parameters()))
+    n_target, n_mtp = sum(p.numel() for p in target.parameters()), sum(p.numel() for p in draft.mtp.parameters())
     print(f"parameters: target {n_target:,} + MTP layer {n_mtp:,} = {n_target + n_mtp:,}", flush=True)
     decay = [p for p in params if p.ndim >= 2 and p is not target.model.embed_tokens.weight]
     rest = [p for p in params if all(p is not q for q in decay)]
@@ -263,24 +226,20 @@ def main(argv: list[str]) -> int:
     run = dict(step=0, tokens=0, train_s=0.0, evals=[], budget_s=max(deadline - time.time(), 1.0))
     if state:
         target.load_state_dict(state["target"]), draft.load_state_dict(state["draft"]), opt.load_state_dict(state["opt"])
-        run = state["run"]
-        g.set_state(state["rng"])
+        run, _ = state["run"], g.set_state(state["rng"])
 
     def save_work():
         torch.save(dict(target=target.state_dict(), draft=draft.state_dict(), opt=opt.state_dict(), run=run,
                         rng=g.get_state(), cfg=asdict(c)), work / "last.pt")
 
-    def snapshot():
-        return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in (target, draft)]
-
     fwd = torch.compile(forward_losses) if c.compile else forward_losses
     best, best_loss, recent, accum = None, float("inf"), [], c.batch_size // c.micro_batch
     bar = tqdm(total=c.max_steps or None, initial=run["step"], unit="step", dynamic_ncols=True, mininterval=2)
-    last_save, t_log, tok_log = time.time(), time.time(), run["tokens"]
-    while (progress := max(run["train_s"] / run["budget_s"], run["step"] / c.max_steps if c.max_steps else 0.0)) < 1:
-        if time.time() >= deadline:
-            break
-        t_step, lr = time.time(), lr_at(run["step"], progress, c)
+    last_save, t_log, tok_log, steady = time.time(), time.time(), run["tokens"], None
+    while time.time() < deadline and (progress := max(
+            run["train_s"] / run["budget_s"], run["step"] / c.max_steps if c.max_steps else 0.0)) < 1:
+        t_step, cos = time.time(), 0.5 * (1 + math.cos(math.pi * progress))   # linear warmup, then cosine by progress
+        lr = c.lr * min((run["step"] + 1) / c.warmup_steps, c.min_lr_frac + (1 - c.min_lr_frac) * cos)
         for grp in opt.param_groups:
             grp["lr"] = lr
         for _ in range(accum):
@@ -297,22 +256,22 @@ def main(argv: list[str]) -> int:
                 m.expert_load.zero_()
         run["step"], run["tokens"] = run["step"] + 1, run["tokens"] + c.batch_size * c.seq_len
         recent = (recent + [torch.stack([main.detach(), mtp.detach(), gnorm.detach()])])[-50:]
-        if run["step"] % 10 == 0:
-            rm, rt, rg = torch.stack(recent).mean(0).tolist()
-            now = time.time()
-            bar.set_postfix(loss=f"{rm:.3f}", mtp=f"{rt:.3f}", gn=f"{rg:.2f}", lr=f"{lr:.1e}",
-                            tok_s=f"{(run['tokens'] - tok_log) / (now - t_log):,.0f}", refresh=False)
+        if run["step"] % 10 == 0:  # the only host syncs of a step
+            (rm, rt, rg), now = torch.stack(recent).mean(0).tolist(), time.time()
+            bar.set_postfix(loss=f"{rm:.3f}", mtp=f"{rt:.3f}", gn=f"{rg:.2f}", lr=f"{lr:.1e}", refresh=False,
+                            tok_s=f"{(run['tokens'] - tok_log) / (now - t_log):,.0f}")
             t_log, tok_log = now, run["tokens"]
         bar.update()
         run["train_s"] += time.time() - t_step
+        steady = steady or (run["tokens"], run["train_s"])  # after this process's first (compiling) step
         if run["step"] % c.eval_every == 0:
-            ev = evaluate(target, draft, held_ids, c, c.eval_seqs)
-            rm, rt, _ = torch.stack(recent).mean(0).tolist()
+            ev, (rm, rt, _) = evaluate(target, draft, held_ids, c, c.eval_seqs), torch.stack(recent).mean(0).tolist()
             run["evals"].append(dict(step=run["step"], tokens=run["tokens"], train_loss=rm, train_mtp_loss=rt, **ev))
             bar.write(f"step {run['step']} tokens {run['tokens']:,} train {rm:.3f}/{rt:.3f} held-out {ev['loss']:.3f}/"
                       f"{ev['mtp_loss']:.3f} mtp_acc {ev['mtp_acc']:.3f} agree {ev['mtp_agree_greedy']:.3f}")
             if ev["loss"] < best_loss:  # keep the best held-out weights, in case later epochs overfit
-                best, best_loss = (snapshot(), run["evals"][-1]), ev["loss"]
+                best_loss, best = ev["loss"], ([{k: v.clone() for k, v in m.state_dict().items()} for m in (target, draft)],
+                                               run["evals"][-1])
         if time.time() - last_save > c.save_every_minutes * 60:
             save_work()
             last_save = time.time()
@@ -323,18 +282,18 @@ def main(argv: list[str]) -> int:
     if best is not None and evaluate(target, draft, held_ids, c, c.eval_seqs)["loss"] > best_loss:
         target.load_state_dict(best[0][0]), draft.load_state_dict(best[0][1])
         chosen = best[1]
-    final = evaluate(target, draft, held_ids, c, 8 * c.eval_seqs)
-    nbytes = export(target, draft, cfg_raw, out)
+    final, nbytes = evaluate(target, draft, held_ids, c, 8 * c.eval_seqs), export(target, draft, cfg_raw, out)
+    cuda = c.device.startswith("cuda")
     log = dict(steps=run["step"], tokens_seen=run["tokens"], epochs=run["tokens"] / train_ids.numel(),
                exported_step=chosen["step"], final_train_loss=chosen["train_loss"],
                final_train_mtp_loss=chosen["train_mtp_loss"], **{f"heldout_{k}": v for k, v in final.items()},
-               train_seconds=run["train_s"], wall_seconds=time.time() - t0,
-               tokens_per_s=run["tokens"] / max(run["train_s"], 1e-9),
-               peak_gpu_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if c.device.startswith("cuda") else 0.0,
-               params=dict(target=n_target, mtp_layer=n_mtp, total=n_target + n_mtp), checkpoint_bytes=nbytes,
-               corpus=corpus, device=torch.cuda.get_device_name() if c.device.startswith("cuda") else "cpu",
-               torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-               command="tandem train " + " ".join(argv), config=asdict(c), evals=run["evals"])
+               train_seconds=run["train_s"], wall_seconds=time.time() - t0, tokens_per_s=run["tokens"] / run["train_s"],
+               tokens_per_s_after_first_step=(run["tokens"] - steady[0]) / max(run["train_s"] - steady[1], 1e-9),
+               peak_gpu_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, checkpoint_bytes=nbytes,
+               params=dict(target=n_target, mtp_layer=n_mtp, total=n_target + n_mtp), corpus=corpus,
+               device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+               date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command="tandem train " + " ".join(argv),
+               config=asdict(c), evals=run["evals"])
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     print(json.dumps({k: v for k, v in log.items() if k not in ("config", "evals")}, indent=1))
     return 0

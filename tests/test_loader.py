@@ -86,10 +86,11 @@ def test_fused_experts_load_and_are_shape_checked(tiny, tmp_path):
     fused = fuse_experts(tensors, 1, E)
     write_checkpoint(tmp_path / "ok", fused, raw)
     assert_same_state(state(load_model(TargetModel, tmp_path / "ok")), state(load_model(TargetModel, d)))
-    bad = {**fused, "model.layers.1.mlp.experts.gate_up_proj": fused["model.layers.1.mlp.experts.gate_up_proj"][:, :48]}
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    bad = {**fused, name: fused[name][:, :48]}
     write_checkpoint(tmp_path / "bad", bad, raw)
-    with pytest.raises(CheckpointError, match=re.escape(
-            f"tensor model.layers.1.mlp.experts.gate_up_proj has shape [{E}, 48, 64], expected [{E}, 64, 64]")):
+    message = f"tensor {name} has shape [{E}, 48, 64], expected [{E}, 64, 64]"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
         load_model(TargetModel, tmp_path / "bad")
 
 

@@ -25,7 +25,6 @@ def test_make_tiny_loads_as_target_and_draft(tmp_path):
     assert load_weights(target, d)["unused"] == [] and load_weights(draft, d)["unused"] == []
     assert torch.equal(draft.embed_tokens.weight, target.model.embed_tokens.weight)   # shared, as DeepSeek ships
     assert torch.equal(draft.lm_head.weight, target.lm_head.weight)
-    assert not torch.equal(draft.mtp[0].eh_proj.weight[:, :64], target.model.layers[1].self_attn.o_proj.weight)
     # one propose over a prompt: the draft reads the target's hidden rows shifted by one
     ids = tokens(20, TINY_CONFIG["vocab_size"], seed=1)
     h = forward_tokens(target, new_cache(target), {"r": ids})

@@ -26,7 +26,7 @@ CONFIGS = {
 def case(request, tmp_path_factory):
     """A randomized HF model, its two on-disk layouts, prompts and HF's logits for each."""
     overrides = dict(CONFIGS[request.param])
-    hf = hf_model(seed=len(request.param), **overrides)
+    hf = hf_model(seed=list(CONFIGS).index(request.param), **overrides)
     root = tmp_path_factory.mktemp(request.param)
     dirs = {layout: save_hf(hf, root / layout, layout) for layout in ("per_expert", "fused")}
     prompts = [tokens(n, hf.config.vocab_size, seed=n) for n in PROMPT_LENS]

@@ -1,0 +1,301 @@
+"""A real local Tandem cluster for tests: target, draft and gateway(s) as separate OS processes.
+
+    with Cluster(model_dir, k=4, gateways=[{"hidden_transport": "gloo"}, {"hidden_transport": "inline"}]) as c:
+        c.gateways[0].stub.Generate(...)      # tandem.v1.GenerateService
+        c.target.Prefill(...)                 # raw TargetService calls
+        c.draft.Propose(...)                  # raw DraftService calls
+
+Every process gets free ports, `--threads 1` where the flag exists, and a log file in a temporary
+directory. Start-up waits for gRPC health SERVING on each (and, when the services run a bridge,
+for the bridge to carry a frame end to end); a process that exits early or a timeout raises with
+the tails of all logs. Teardown sends SIGTERM, then kills what is still alive after a grace period.
+This is a helper, not a test file.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.grpc_server import channel_options
+from tandem.v1 import draft_pb2, draft_pb2_grpc, generate_pb2_grpc, rows_pb2, target_pb2, target_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (all held open together, so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    addr: str
+    log: Path
+    popen: subprocess.Popen | None = None
+
+    def tail(self, n_chars: int = 6000) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else "(no log)"
+        rc = None if self.popen is None else self.popen.poll()
+        state = "running" if rc is None else f"exited with code {rc}"
+        return f"----- {self.name} ({state}) {self.log} -----\n{text[-n_chars:]}"
+
+
+@dataclass
+class Gateway:
+    name: str
+    addr: str
+    hidden_transport: str
+    k: int
+    channel: grpc.Channel = field(repr=False, default=None)
+    stub: generate_pb2_grpc.GenerateServiceStub = field(repr=False, default=None)
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+class Cluster:
+    def __init__(self, model: str | Path, k: int = 4, gateways: list[dict] | None = None,
+                 hidden_transport: str = "gloo", log_dir: str | Path | None = None,
+                 startup_timeout_s: float = 240.0, extra_service_args: list[str] | None = None):
+        """gateways: one dict per gateway process: hidden_transport (default: the services'), k
+        (default: `k`), max_batch. `hidden_transport` is the target's and draft's own setting."""
+        self.model, self.k = str(model), k
+        self.hidden_transport = hidden_transport
+        self.gateway_specs = gateways or [{}]
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="tandem-cluster-"))
+        self.startup_timeout_s = startup_timeout_s
+        self.extra_service_args = extra_service_args or []
+        self.procs: list[Proc] = []
+        self.gateways: list[Gateway] = []
+        self._channels: list[grpc.Channel] = []
+        self.target: target_pb2_grpc.TargetServiceStub | None = None
+        self.draft: draft_pb2_grpc.DraftServiceStub | None = None
+
+    # --- life cycle ----------------------------------------------------------------------------
+    def __enter__(self) -> "Cluster":
+        try:
+            self._start()
+        except BaseException as e:
+            logs = self.logs()
+            self.stop()
+            raise ClusterError(f"cluster did not start: {e}\n{logs}") from e
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            print(self.logs(), file=sys.stderr)
+        self.stop()
+        return False
+
+    def _start(self) -> None:
+        n_gw = len(self.gateway_specs)
+        target_port, draft_port, bridge_port, *gw_ports = free_ports(3 + n_gw)
+        py = [sys.executable, "-m", "tandem"]
+        common = ["--model", self.model, "--threads", "1", "--hidden-transport", self.hidden_transport,
+                  "--bridge-addr", f"127.0.0.1:{bridge_port}", "--num-blocks", "1024"] + self.extra_service_args
+        target = Proc("target", py + ["target", "--grpc-port", str(target_port)] + common,
+                      f"127.0.0.1:{target_port}", self.log_dir / "target.log")
+        draft = Proc("draft", py + ["draft", "--grpc-port", str(draft_port)] + common,
+                     f"127.0.0.1:{draft_port}", self.log_dir / "draft.log")
+        gws = []
+        for i, (spec, port) in enumerate(zip(self.gateway_specs, gw_ports)):
+            transport = spec.get("hidden_transport", self.hidden_transport)
+            k = spec.get("k", self.k)
+            name = f"gateway{i}-{transport}"
+            cmd = py + ["gateway", "--model", self.model, "-k", str(k), "--grpc-port", str(port),
+                        "--target-addr", target.addr, "--draft-addr", draft.addr,
+                        "--hidden-transport", transport, "--max-batch", str(spec.get("max_batch", 64))]
+            gws.append((Proc(name, cmd, f"127.0.0.1:{port}", self.log_dir / f"{name}.log"), transport, k))
+        # target and draft load in parallel; the gateways wait for both themselves
+        for p in [target, draft] + [g for g, _, _ in gws]:
+            self._spawn(p)
+        deadline = time.monotonic() + self.startup_timeout_s
+        for p in [target, draft] + [g for g, _, _ in gws]:
+            self.wait_serving(p, deadline)
+        self.target = target_pb2_grpc.TargetServiceStub(self.channel(target.addr))
+        self.draft = draft_pb2_grpc.DraftServiceStub(self.channel(draft.addr))
+        for proc, transport, k in gws:
+            ch = self.channel(proc.addr)
+            self.gateways.append(Gateway(proc.name, proc.addr, transport, k, ch,
+                                         generate_pb2_grpc.GenerateServiceStub(ch)))
+        if self.hidden_transport != "inline":
+            self.wait_bridge(deadline)
+
+    def _spawn(self, p: Proc) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with open(p.log, "wb") as f:
+            p.popen = subprocess.Popen(p.cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(p)
+
+    def channel(self, addr: str) -> grpc.Channel:
+        ch = grpc.insecure_channel(addr, options=channel_options())
+        self._channels.append(ch)
+        return ch
+
+    def wait_serving(self, p: Proc, deadline: float) -> None:
+        """Poll gRPC health until SERVING; fail at once if the process exits."""
+        ch = grpc.insecure_channel(p.addr)
+        try:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                if p.popen.poll() is not None:
+                    raise ClusterError(f"{p.name} exited with code {p.popen.returncode} while starting")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ClusterError(f"{p.name} at {p.addr} was not SERVING in {self.startup_timeout_s:.0f}s")
+                try:
+                    # wait_for_ready blocks until the port accepts (or the deadline), not a fixed sleep
+                    resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=min(2.0, left), wait_for_ready=True)
+                    if resp.status == SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+        finally:
+            ch.close()
+
+    def wait_bridge(self, deadline: float) -> None:
+        """The services' bridge connects in the background after health says SERVING. Poll with a
+        one-token Prefill asking for BRIDGE rows until the target sends them on the bridge, then
+        make the draft take that frame (a Propose) so both ends are proven; release the probes."""
+        n = 0
+        while True:
+            n += 1
+            rid = f"bridge-probe-{n}"
+            try:
+                resp = self.target.Prefill(target_pb2.PrefillRequest(
+                    items=[target_pb2.PrefillItem(request_id=rid, prompt_token_ids=[5])],
+                    return_hidden_rows=True, transport=rows_pb2.TRANSPORT_BRIDGE), timeout=30)
+                if resp.hidden_rows.transport == rows_pb2.TRANSPORT_BRIDGE:
+                    self.draft.Propose(draft_pb2.ProposeRequest(
+                        items=[draft_pb2.ProposeItem(request_id=rid, new_token_ids=[5, resp.first_token_ids[0]],
+                                                     num_draft_tokens=1)],
+                        hidden_rows=[resp.hidden_rows]), timeout=30)
+                    return
+            finally:
+                self.release([rid])
+            if time.monotonic() > deadline:
+                raise ClusterError("the target never sent rows on the bridge (its channel is not ready)")
+            time.sleep(0.2)   # polling a background connect; nothing to await on the wire
+
+    def release(self, request_ids: list[str]) -> None:
+        req = target_pb2.ReleaseRequest(request_ids=request_ids)
+        self.target.Release(req, timeout=10)
+        self.draft.Release(req, timeout=10)
+
+    def wait_drained(self, timeout_s: float = 30.0) -> None:
+        """Until target and draft hold no request and every KV block is free. The gateway releases
+        asynchronously after it answers, so poll GetInfo (no event to await) up to timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            infos = [s.GetInfo(target_pb2.InfoRequest(), timeout=10) for s in (self.target, self.draft)]
+            if all(i.running_requests == 0 and i.kv_blocks_free == i.kv_blocks_total for i in infos):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"state left in the services {timeout_s:.0f}s after all requests ended: "
+                                     f"target {infos[0]}, draft {infos[1]}")
+            time.sleep(0.2)
+
+    def health(self, addr: str, service: str = "") -> int:
+        ch = grpc.insecure_channel(addr)
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                        timeout=5).status
+        finally:
+            ch.close()
+
+    def addrs(self) -> dict[str, str]:
+        return {p.name: p.addr for p in self.procs}
+
+    def dead(self) -> list[str]:
+        """Processes that have exited (none should while the cluster is up)."""
+        return [f"{p.name} (code {p.popen.returncode})" for p in self.procs if p.popen.poll() is not None]
+
+    def logs(self) -> str:
+        return "\n".join(p.tail() for p in self.procs)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for ch in self._channels:
+            ch.close()
+        self._channels.clear()
+        for p in reversed(self.procs):      # gateways first: they hold the services' clients
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in reversed(self.procs):
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(timeout=10)
+
+
+def serve_module(c: Cluster, request):
+    """Body of a module-scoped pytest fixture: yield the cluster; afterwards, if a test of the
+    session failed meanwhile or a process died, print every process's log tail to the terminal."""
+    failed_before = request.session.testsfailed
+    yield c
+    dead = c.dead()
+    if request.session.testsfailed > failed_before or dead:
+        capman = request.config.pluginmanager.getplugin("capturemanager")
+        with capman.global_and_fixture_disabled():
+            print(f"\n===== cluster logs ({c.log_dir}) =====\n{c.logs()}")
+    assert not dead, f"cluster processes exited during the tests: {dead}"
+
+
+def make_checkpoint(path: str | Path, seed: int, draft_follows_bigram: bool = True) -> Path:
+    """make_tiny(path, seed); then (by default) re-aim the draft's MTP layer so its drafts get
+    accepted part of the time. The target stays exactly make_tiny's.
+
+    Random MTP weights give ~0 acceptance, which leaves every accept/rollback path of a round
+    untested. make_tiny's target agrees with its own "bigram" argmax(lm_head(norm(embed(t)))) at
+    ~40 % of greedy steps, so an MTP layer whose eh_proj passes the token embedding through
+    (identity on the embedding half, the hidden half scaled to 0.3) and whose block writes are
+    halved proposes that bigram: measured per-position acceptance ~0.47, 0.19, 0.09, 0.04 at K=4,
+    i.e. rounds accept 0..K drafts. Only draft tensors change, so lossless checks are unaffected.
+    """
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from models.tiny import make_tiny
+    out = make_tiny(path, seed=seed)
+    if not draft_follows_bigram:
+        return out
+    mtp = f"model.layers.{json.loads((out / 'config.json').read_text())['num_hidden_layers']}."
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for name, w in list(tensors.items()):
+            if not name.startswith(mtp):
+                continue
+            if name == mtp + "eh_proj.weight":              # input: cat[enorm(embed), hnorm(hidden)]
+                d = w.shape[0]
+                tensors[name] = torch.cat([torch.eye(d, dtype=w.dtype), 0.3 * w[:, d:]], 1).contiguous()
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                tensors[name] = (0.5 * w).contiguous()
+        save_file(tensors, str(f))
+    return out

@@ -1,0 +1,338 @@
+"""The hidden-row contract, raw gRPC against a running cluster's draft and target.
+
+Real rows come from Target.Prefill / Verify; the tests then hand the draft descriptors that
+disagree with its bookkeeping (or with their own payload) and expect the documented status with
+the request and both counts in the message — before any row is touched, never a hang. After each,
+a correct Prefill -> Propose -> Verify sequence for a fresh request must still give the in-process
+greedy reference, and every process must still answer health SERVING.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from cluster import Cluster, make_checkpoint, serve_module
+from models.loader import load_model
+from models.model import TargetModel
+from models.runner import greedy_generate
+from tandem.v1 import draft_pb2, generate_pb2, rows_pb2, target_pb2
+
+pytestmark = pytest.mark.slow
+
+K = 2
+SEED = 5
+INLINE, BRIDGE = rows_pb2.TRANSPORT_INLINE, rows_pb2.TRANSPORT_BRIDGE
+BRIDGE_TIMEOUT_S = 10.0      # the draft's --bridge-timeout-s default: a contract error must come well before
+TIMEOUT = 30
+_ids = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt, tmp_path_factory, request):
+    with Cluster(ckpt, k=K, gateways=[{"hidden_transport": "gloo"}], log_dir=tmp_path_factory.mktemp("logs")) as c:
+        yield from serve_module(c, request)
+
+
+@pytest.fixture(scope="module")
+def ref_model(ckpt):
+    return load_model(TargetModel, ckpt)
+
+
+@pytest.fixture(scope="module")
+def hidden_size(cluster):
+    return cluster.target.GetInfo(target_pb2.InfoRequest(), timeout=TIMEOUT).hidden_size
+
+
+# --- raw calls ---------------------------------------------------------------------------------
+def rid(tag: str) -> str:
+    return f"contract-{tag}-{next(_ids)}"
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [3 + (i * 37 + salt * 101) % 500 for i in range(n)]
+
+
+def prefill(c, request_id: str, prompt: list[int], transport=INLINE) -> target_pb2.PrefillResponse:
+    return c.target.Prefill(target_pb2.PrefillRequest(
+        items=[target_pb2.PrefillItem(request_id=request_id, prompt_token_ids=prompt)],
+        return_hidden_rows=True, transport=transport), timeout=TIMEOUT)
+
+
+def propose(c, request_id: str, new_tokens: list[int], position: int, rows: list[rows_pb2.HiddenRows], k=K):
+    return c.draft.Propose(draft_pb2.ProposeRequest(
+        items=[draft_pb2.ProposeItem(request_id=request_id, new_token_ids=new_tokens, num_draft_tokens=k,
+                                     position=position)], hidden_rows=rows), timeout=TIMEOUT)
+
+
+def verify(c, request_id: str, drafts: list[int], transport=INLINE, draft_probs: bytes = b""):
+    return c.target.Verify(target_pb2.VerifyRequest(
+        items=[target_pb2.VerifyItem(request_id=request_id, draft_token_ids=drafts, draft_probs=draft_probs)],
+        return_hidden_rows=True, transport=transport), timeout=TIMEOUT)
+
+
+def refused(call, code: grpc.StatusCode, *needles: str) -> str:
+    """Run `call`, expect `code`, every needle in the message, and an answer well inside the bridge
+    timeout (a contract check must not wait for rows). -> the message."""
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    took = time.monotonic() - t0
+    msg = e.value.details()
+    assert e.value.code() == code, f"expected {code.name}, got {e.value.code().name}: {msg}"
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    assert took < BRIDGE_TIMEOUT_S / 2, f"the refusal took {took:.1f}s: it waited on the bridge"
+    return msg
+
+
+def with_rows(desc: rows_pb2.HiddenRows, **changes) -> rows_pb2.HiddenRows:
+    out = rows_pb2.HiddenRows()
+    out.CopyFrom(desc)
+    for name, value in changes.items():
+        if isinstance(value, list):
+            out.ClearField(name)
+            getattr(out, name).extend(value)
+        else:
+            setattr(out, name, value)
+    return out
+
+
+def row_bytes(hidden_size: int) -> int:
+    return hidden_size * 4                       # float32 services
+
+
+def drive(c, request_id: str, prompt: list[int], n: int, transport=INLINE, k=K) -> tuple[list[int], int]:
+    """The gateway's round by hand: Prefill, then Propose -> Verify until n tokens; checks every row
+    descriptor on the way. -> (n tokens, drafts accepted)."""
+    try:
+        pre = prefill(c, request_id, prompt, transport)
+        rows = pre.hidden_rows
+        assert (rows.transport, list(rows.request_ids), list(rows.rows_per_request), rows.num_rows) == \
+            (transport, [request_id], [len(prompt)], len(prompt))
+        tokens, new, position, accepted = list(pre.first_token_ids), prompt + list(pre.first_token_ids), 0, 0
+        while len(tokens) < n:
+            drafts = list(propose(c, request_id, new, position, [rows], k).results[0].draft_token_ids)
+            assert len(drafts) == k
+            position += len(new)
+            v = verify(c, request_id, drafts, transport)
+            a, new, rows = v.results[0].num_accepted, list(v.results[0].emitted_token_ids), v.hidden_rows
+            assert len(new) == a + 1 and new[:a] == drafts[:a]
+            assert (list(rows.rows_per_request), rows.num_rows, rows.transport) == ([a + 1], a + 1, transport)
+            tokens += new
+            accepted += a
+        return tokens[:n], accepted
+    finally:
+        c.release([request_id])
+
+
+def assert_still_serves(c, ref_model, transport=INLINE) -> None:
+    prompt = prompt_of(13, salt=next(_ids))
+    got, _ = drive(c, rid("good"), prompt, 12, transport)
+    assert got == greedy_generate(ref_model, prompt, 12), "a good sequence after a refused one went wrong"
+    for name, addr in c.addrs().items():
+        assert c.health(addr) == health_pb2.HealthCheckResponse.SERVING, name
+
+
+# --- tests -------------------------------------------------------------------------------------
+def test_reflection_lists_services(cluster):
+    want = {"target": "tandem.v1.TargetService", "draft": "tandem.v1.DraftService",
+            cluster.gateways[0].name: "tandem.v1.GenerateService"}
+    for name, addr in cluster.addrs().items():
+        ch = grpc.insecure_channel(addr)
+        try:
+            services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+        finally:
+            ch.close()
+        assert {want[name], "grpc.health.v1.Health"} <= services, f"{name}: {services}"
+
+
+def test_good_sequences_match_reference(cluster, ref_model):
+    """The raw round itself (both transports) is lossless and accepts drafts (the checkpoint's
+    draft follows the target's bigram part of the time), so the refusals below are against a
+    working path."""
+    accepted = 0
+    for transport in (INLINE, BRIDGE):
+        for n_prompt in (1, 7, 30):
+            prompt = prompt_of(n_prompt, salt=n_prompt)
+            got, a = drive(cluster, rid("ref"), prompt, 16, transport)
+            assert got == greedy_generate(ref_model, prompt, 16), (transport, n_prompt)
+            accepted += a
+    assert accepted > 0, "no draft was ever accepted: the raw round is not exercising acceptance"
+
+
+def test_rows_per_request_disagrees_with_new_tokens(cluster, ref_model, hidden_size):
+    """A new request brings prompt + first token (T + 1 tokens) and needs T rows; a descriptor that
+    claims T - 1 (self-consistent: num_rows and payload also T - 1) is INVALID_ARGUMENT."""
+    T, r = 9, rid("rpr")
+    try:
+        pre = prefill(cluster, r, prompt_of(T))
+        rows = pre.hidden_rows
+        short = with_rows(rows, rows_per_request=[T - 1], num_rows=T - 1,
+                          inline_data=rows.inline_data[: (T - 1) * row_bytes(hidden_size)])
+        new = prompt_of(T) + list(pre.first_token_ids)
+        refused(lambda: propose(cluster, r, new, 0, [short]), grpc.StatusCode.INVALID_ARGUMENT,
+                repr(r), f"rows_per_request is {T - 1}", f"expected {T}")
+        # the refusal left no state behind: the same request proceeds with its real rows
+        assert len(propose(cluster, r, new, 0, [rows]).results[0].draft_token_ids) == K
+    finally:
+        cluster.release([r])
+    assert_still_serves(cluster, ref_model)
+
+
+def test_round_rows_disagree_with_accepted(cluster, ref_model, hidden_size):
+    """After a round that emitted a + 1 tokens the draft needs a + 1 rows; one more is refused."""
+    T, r = 6, rid("round")
+    try:
+        pre = prefill(cluster, r, prompt_of(T, 3))
+        new = prompt_of(T, 3) + list(pre.first_token_ids)
+        drafts = list(propose(cluster, r, new, 0, [pre.hidden_rows]).results[0].draft_token_ids)
+        v = verify(cluster, r, drafts)
+        a, emitted = v.results[0].num_accepted, list(v.results[0].emitted_token_ids)
+        extra = with_rows(v.hidden_rows, rows_per_request=[a + 2], num_rows=a + 2,
+                          inline_data=v.hidden_rows.inline_data + v.hidden_rows.inline_data[:row_bytes(hidden_size)])
+        refused(lambda: propose(cluster, r, emitted, T + 1, [extra]), grpc.StatusCode.INVALID_ARGUMENT,
+                repr(r), f"rows_per_request is {a + 2}", f"expected {a + 1}")
+    finally:
+        cluster.release([r])
+    assert_still_serves(cluster, ref_model)
+
+
+def test_inline_payload_short_of_num_rows(cluster, ref_model, hidden_size):
+    T, r = 11, rid("short")
+    try:
+        pre = prefill(cluster, r, prompt_of(T, 1))
+        rows = pre.hidden_rows
+        lying = with_rows(rows, inline_data=rows.inline_data[: (T - 2) * row_bytes(hidden_size)])
+        refused(lambda: propose(cluster, r, prompt_of(T, 1) + list(pre.first_token_ids), 0, [lying]),
+                grpc.StatusCode.INVALID_ARGUMENT, f"holds {T - 2} rows", f"num_rows is {T}")
+    finally:
+        cluster.release([r])
+    assert_still_serves(cluster, ref_model)
+
+
+def test_propose_for_released_request(cluster, ref_model):
+    T, r = 5, rid("released")
+    try:
+        pre = prefill(cluster, r, prompt_of(T, 2))
+        new = prompt_of(T, 2) + list(pre.first_token_ids)
+        drafts = list(propose(cluster, r, new, 0, [pre.hidden_rows]).results[0].draft_token_ids)
+        v = verify(cluster, r, drafts)
+        assert cluster.draft.Release(target_pb2.ReleaseRequest(request_ids=[r]), timeout=TIMEOUT).released == 1
+        refused(lambda: propose(cluster, r, list(v.results[0].emitted_token_ids), T + 1, [v.hidden_rows]),
+                grpc.StatusCode.FAILED_PRECONDITION, repr(r), f"position is {T + 1}", "released")
+    finally:
+        cluster.release([r])
+    assert_still_serves(cluster, ref_model)
+
+
+def test_bridge_descriptor_disagrees(cluster, ref_model):
+    """Rows on the bridge: the descriptor is checked before a receive is posted, so a bad one is
+    refused at once (not after the bridge timeout), and the next bridge transfer is unaffected."""
+    T, r = 8, rid("bridge")
+    try:
+        pre = prefill(cluster, r, prompt_of(T, 4), BRIDGE)
+        rows = pre.hidden_rows
+        assert rows.transport == BRIDGE and rows.transfer_id > 0 and not rows.inline_data
+        new = prompt_of(T, 4) + list(pre.first_token_ids)
+        refused(lambda: propose(cluster, r, new, 0, [with_rows(rows, num_rows=T + 1)]),
+                grpc.StatusCode.INVALID_ARGUMENT, f"num_rows is {T + 1}", f"sums to {T}")
+        refused(lambda: propose(cluster, r, new, 0, [with_rows(rows, num_rows=T - 1, rows_per_request=[T - 1])]),
+                grpc.StatusCode.INVALID_ARGUMENT, repr(r), f"rows_per_request is {T - 1}", f"expected {T}")
+    finally:
+        cluster.release([r])
+    assert_still_serves(cluster, ref_model, BRIDGE)
+    assert_still_serves(cluster, ref_model, INLINE)
+
+
+def test_bridge_frame_disagrees_with_descriptor(cluster, ref_model):
+    """A descriptor that matches the draft's bookkeeping but names another transfer's frame (which
+    holds a different number of rows): the rows that arrive are checked before use."""
+    ra, rb, Ta, Tb = rid("frame-a"), rid("frame-b"), 4, 10
+    try:
+        pa = prefill(cluster, ra, prompt_of(Ta, 5), BRIDGE)
+        pb = prefill(cluster, rb, prompt_of(Tb, 6), BRIDGE)
+        wrong = with_rows(pa.hidden_rows, transfer_id=pb.hidden_rows.transfer_id)
+        refused(lambda: propose(cluster, ra, prompt_of(Ta, 5) + list(pa.first_token_ids), 0, [wrong]),
+                grpc.StatusCode.INVALID_ARGUMENT, f"carried {Tb} rows", f"num_rows {Ta}")
+    finally:
+        cluster.release([ra, rb])
+    assert_still_serves(cluster, ref_model, BRIDGE)
+
+
+def sharded(d: rows_pb2.HiddenRows, h: int) -> rows_pb2.HiddenRows:
+    """A well-formed SEQUENCE_SHARDED descriptor (shard 0 of 2, its half of the padded rows)."""
+    padded = d.num_rows + d.num_rows % 2
+    return with_rows(d, layout=rows_pb2.ROW_LAYOUT_SEQUENCE_SHARDED, shard_index=0, shard_count=2,
+                     padded_num_rows=padded, num_rows=padded // 2,
+                     inline_data=d.inline_data[: padded // 2 * row_bytes(h)])
+
+
+BAD_DESCRIPTORS = [
+    ("hidden_size", lambda d, h: with_rows(d, hidden_size=h + 1), "hidden_size is"),
+    ("dtype", lambda d, h: with_rows(d, dtype=rows_pb2.DTYPE_BFLOAT16), "dtype is DTYPE_BFLOAT16"),
+    ("layout", lambda d, h: sharded(d, h), "the draft takes FULL rows"),
+    ("ids vs counts", lambda d, h: with_rows(d, rows_per_request=list(d.rows_per_request) + [0]), "request_ids has 1"),
+    ("transport", lambda d, h: with_rows(d, transport=rows_pb2.TRANSPORT_UNSPECIFIED), "transport"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_DESCRIPTORS, ids=[b[0] for b in BAD_DESCRIPTORS])
+def test_other_descriptor_lies(cluster, ref_model, hidden_size, case):
+    _, mutate, needle = case
+    T, r = 7, rid("desc")
+    try:
+        pre = prefill(cluster, r, prompt_of(T, 7))
+        refused(lambda: propose(cluster, r, prompt_of(T, 7) + list(pre.first_token_ids), 0,
+                                [mutate(pre.hidden_rows, hidden_size)]), grpc.StatusCode.INVALID_ARGUMENT, needle)
+        # no row set at all for a request that needs T rows
+        refused(lambda: propose(cluster, r, prompt_of(T, 7) + list(pre.first_token_ids), 0, []),
+                grpc.StatusCode.INVALID_ARGUMENT, repr(r), f"needs {T} rows")
+    finally:
+        cluster.release([r])
+    assert_still_serves(cluster, ref_model)
+
+
+def test_verify_unknown_request(cluster, ref_model):
+    r = rid("unknown")
+    refused(lambda: verify(cluster, r, [5, 6]), grpc.StatusCode.FAILED_PRECONDITION, repr(r))
+    assert_still_serves(cluster, ref_model)
+
+
+def test_verify_draft_probs_of_wrong_size(cluster, ref_model):
+    info = cluster.target.GetInfo(target_pb2.InfoRequest(), timeout=TIMEOUT)
+    V, T, r = info.vocab_size, 6, rid("probs")
+    prompt = prompt_of(T, 8)
+    try:
+        pre = prefill(cluster, r, prompt)
+        drafts = list(propose(cluster, r, prompt + list(pre.first_token_ids), 0, [pre.hidden_rows])
+                      .results[0].draft_token_ids)
+        refused(lambda: verify(cluster, r, drafts, draft_probs=b"\x00" * (4 * V)), grpc.StatusCode.INVALID_ARGUMENT,
+                repr(r), f"{4 * V} bytes", f"{K} x {V}", str(K * V * 4))
+        # nothing was committed by the refused Verify: the request continues where it was
+        v = verify(cluster, r, drafts)
+        got = list(pre.first_token_ids) + list(v.results[0].emitted_token_ids)
+        assert got == greedy_generate(ref_model, prompt, len(got))
+    finally:
+        cluster.release([r])
+    assert_still_serves(cluster, ref_model)
+
+
+def test_gateway_still_serves(cluster, ref_model):
+    prompt = prompt_of(9, 9)
+    want = greedy_generate(ref_model, prompt, 14)
+    for k in (0, K):
+        r = cluster.gateways[0].stub.Generate(generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=14, ignore_eos=True,
+            num_speculative_tokens=k), timeout=TIMEOUT)
+        assert list(r.token_ids) == want, f"K={k}"
+    cluster.wait_drained()                              # every test released what it made
