@@ -16,11 +16,13 @@ class ParallelState:
     tp_group: object = None
 
     def decide(self, t: torch.Tensor) -> torch.Tensor:
-        """Make rank 0's decision (sampled tokens, accepted counts) every rank's: one broadcast."""
-        if self.tp_size > 1:
-            dist.broadcast(t, src=dist.get_global_rank(self.tp_group, 0) if self.tp_group else 0,
-                           group=self.tp_group)
-        return t
+        """Make rank 0's decision (sampled tokens, accepted counts; a CPU tensor) every rank's."""
+        if self.tp_size == 1:
+            return t
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.tp_group) == "nccl" else "cpu"
+        x = t.to(dev)
+        dist.broadcast(x, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        return x.cpu()
 
     def shard(self, n: int, what: str) -> int:
         if n % self.tp_size:

@@ -8,6 +8,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_PORTS = {"target": 50052, "draft": 50053}
+DEFAULT_DIST_ADDRS = {"target": "127.0.0.1:29660", "draft": "127.0.0.1:29670"}
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,19 @@ class ServiceConfig:
     max_model_len: int = 4096
     threads: int = 1                 # torch CPU threads (one per process keeps a local cluster calm)
     bridge_timeout_s: float = 10.0   # draft: how long Propose waits for a bridge frame
+    tp: int = 1                      # tensor-parallel ranks (processes)
+    ep: int = 1                      # expert-parallel groups among them (divides tp)
+    sequence_parallel: bool = False  # SP-MoE: rows reduce-scattered around each MoE layer
+    dist_addr: str = ""              # rendezvous of the rank group (default: per role)
+    rank: int = 0                    # set by rank 0 when it starts the others
+
+    @property
+    def rank_device(self) -> str:
+        """cuda:I on rank 0 -> cuda:I+rank on the others."""
+        if not self.device.startswith("cuda"):
+            return self.device
+        base = int(self.device.split(":")[1]) if ":" in self.device else 0
+        return f"cuda:{base + self.rank}"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -50,6 +64,8 @@ class ServiceConfig:
         need(self.bridge_backend != "nccl" or self.device.startswith("cuda"), "--hidden-transport nccl needs --device cuda")
         need(self.num_blocks > 0 and self.block_size > 0, "--num-blocks and --block-size must be > 0")
         need(":" in self.bridge_addr, f"--bridge-addr must be host:port, got {self.bridge_addr!r}")
+        need(self.tp >= 1 and self.ep >= 1 and self.tp % self.ep == 0, f"--ep ({self.ep}) must divide --tp ({self.tp})")
+        need(0 <= self.rank < self.tp, f"--rank must be in [0, {self.tp}), got {self.rank}")
         return self
 
 
@@ -61,9 +77,13 @@ def parse(role: str, argv, description: str) -> ServiceConfig:
         if f.name == "role":
             continue
         default = DEFAULT_PORTS[role] if f.name == "port" else (None if f.name == "model" else f.default)
-        p.add_argument(flags.get(f.name, "--" + f.name.replace("_", "-")), dest=f.name, default=default,
-                       type=type(f.default) if f.name != "model" else str)
+        flag = flags.get(f.name, "--" + f.name.replace("_", "-"))
+        if isinstance(f.default, bool):
+            p.add_argument(flag, dest=f.name, action="store_true")
+        else:
+            p.add_argument(flag, dest=f.name, default=default, type=type(f.default) if f.name != "model" else str)
     a = p.parse_args(argv)
+    a.dist_addr = a.dist_addr or DEFAULT_DIST_ADDRS[role]
     return ServiceConfig(role=role, **{**vars(a), "model": str(a.model or default_model())}).validate()
 
 
@@ -71,4 +91,4 @@ def setup_torch(cfg: ServiceConfig) -> None:
     if cfg.device == "cpu":
         torch.set_num_threads(cfg.threads)
     else:
-        torch.cuda.set_device(torch.device(cfg.device))
+        torch.cuda.set_device(torch.device(cfg.rank_device))

@@ -45,6 +45,11 @@ def parse(argv):
     p.add_argument("--draft-port", type=int, default=50053)
     p.add_argument("--bridge-port", type=int, default=29650)
     p.add_argument("--num-blocks", type=int, default=2048)
+    p.add_argument("--tp", type=int, default=1, help="target tensor-parallel ranks")
+    p.add_argument("--ep", type=int, default=1, help="target expert-parallel groups (divides --tp)")
+    p.add_argument("--sequence-parallel", action="store_true", help="SP-MoE in target and draft")
+    p.add_argument("--draft-tp", type=int, default=1, help="draft tensor-parallel ranks")
+    p.add_argument("--dist-port", type=int, default=29660, help="rank-group rendezvous (target; draft: +10)")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--startup-timeout", type=float, default=300.0)
     a = p.parse_args(argv)
@@ -64,11 +69,14 @@ def commands(a) -> list[tuple[str, list[str], str]]:
         transport = "inline"          # one GPU: NCCL refuses two ranks on it
     common = ["--model", a.model, "--dtype", a.dtype, "--hidden-transport", transport,
               "--bridge-addr", f"127.0.0.1:{a.bridge_port}", "--num-blocks", str(a.num_blocks)]
-    cmds = [("target", py + ["target", "--device", t_dev, "--grpc-port", str(a.target_port)] + common,
+    sp = ["--sequence-parallel"] if a.sequence_parallel else []
+    cmds = [("target", py + ["target", "--device", t_dev, "--grpc-port", str(a.target_port), "--tp", str(a.tp),
+                             "--ep", str(a.ep), "--dist-addr", f"127.0.0.1:{a.dist_port}"] + sp + common,
              f"127.0.0.1:{a.target_port}")]
     if a.num_speculative_tokens > 0:
-        cmds.append(("draft", py + ["draft", "--device", d_dev, "--grpc-port", str(a.draft_port)] + common,
-                     f"127.0.0.1:{a.draft_port}"))
+        cmds.append(("draft", py + ["draft", "--device", d_dev, "--grpc-port", str(a.draft_port),
+                                    "--tp", str(a.draft_tp), "--dist-addr", f"127.0.0.1:{a.dist_port + 10}"]
+                     + sp + common, f"127.0.0.1:{a.draft_port}"))
     cmds.append(("gateway", py + ["gateway", "--model", a.model, "-k", str(a.num_speculative_tokens),
                                   "--host", a.host, "--grpc-port", str(a.grpc_port),
                                   "--target-addr", f"127.0.0.1:{a.target_port}",

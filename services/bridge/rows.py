@@ -89,6 +89,15 @@ def check_payload(desc: pb.HiddenRows, rows: torch.Tensor) -> None:
                             f"{desc.num_rows} of {desc.hidden_size}")
 
 
+def expect_rows(rows: torch.Tensor, expected: int, what: str) -> torch.Tensor:
+    """A producer of hidden rows (a model forward) must return one row per input token before any
+    row is indexed: a sequence-parallel shard that was not re-gathered has ceil(T_pad / tp)."""
+    if rows.shape[0] != expected:
+        raise ContractError("INVALID_ARGUMENT", f"hidden rows contract: {what} returned {rows.shape[0]} rows "
+                            f"for {expected} input tokens (expected {expected})")
+    return rows
+
+
 def decode_inline(desc: pb.HiddenRows, device="cpu") -> torch.Tensor:
     dtype = PB_TO_DTYPE[desc.dtype]
     raw = torch.from_numpy(np.frombuffer(desc.inline_data, dtype=np.uint8).copy())

@@ -13,7 +13,7 @@ import torch
 
 from kernels.speculative import sampling_probs
 from models.kv_cache import CacheFullError, PagedKVCache
-from services.bridge.rows import ServiceError
+from services.bridge.rows import ServiceError, expect_rows
 
 
 @dataclass
@@ -113,21 +113,24 @@ class DraftEngine:
     def _step(self, ids: list[str], toks: list[list[int]], hidden: torch.Tensor, step: int) -> torch.Tensor:
         batch = self.cache.prepare(ids, [len(t) for t in toks])
         tokens = torch.tensor([t for ts in toks for t in ts], device=self.cache.device)
-        return self.model(tokens, hidden.to(self.cache.device, next(self.model.parameters()).dtype),
-                          batch, self.cache, step=step)
+        out = self.model(tokens, hidden.to(self.cache.device, next(self.model.parameters()).dtype),
+                         batch, self.cache, step=step)
+        return expect_rows(out, tokens.shape[0], "the MTP block")
 
     def _pick(self, hidden: torch.Tensor, samplings: list[DraftSampling]):
         """hidden [M, D] -> (token, q [V] or None) per row: argmax when greedy, else a sample of q."""
         logits = self.model.compute_logits(hidden)
         if all(s.greedy for s in samplings):
-            return [(int(t), None) for t in logits.argmax(-1).tolist()]
+            return [(int(t), None) for t in self.model.ps.decide(logits.argmax(-1).cpu()).tolist()]
         dev = logits.device
         q = sampling_probs(logits, torch.tensor([s.temperature for s in samplings], device=dev),
                            torch.tensor([s.top_k for s in samplings], device=dev),
                            torch.tensor([s.top_p for s in samplings], device=dev)).cpu()
-        return [(int(qi.argmax()), None) if s.greedy else
-                (int((qi / torch.empty_like(qi).exponential_(generator=s.generator)).argmax()), qi)
-                for qi, s in zip(q, samplings)]
+        toks = torch.stack([qi.argmax() if s.greedy else
+                            (qi / torch.empty_like(qi).exponential_(generator=s.generator)).argmax()
+                            for qi, s in zip(q, samplings)])
+        toks = self.model.ps.decide(toks).tolist()                                # rank 0 decides
+        return [(t, None if s.greedy else qi) for t, qi, s in zip(toks, q, samplings)]
 
     def release(self, ids: list[str]) -> int:
         n = 0

@@ -9,7 +9,8 @@ import torch
 from services.bridge.channel import RowChannel
 from services.bridge.rows import (CONTRACT_VERSION, ServiceError, check, check_payload, decode_inline,
                                   rows_by_request)
-from services.config import ServiceConfig, parse, setup_torch
+from services.config import ServiceConfig
+from services.ranks import RankGroup, run_service
 from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
 from tandem import grpc_server
 from tandem.v1 import draft_pb2, draft_pb2_grpc, rows_pb2, target_pb2
@@ -18,10 +19,10 @@ log = logging.getLogger("tandem.draft")
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, cfg: ServiceConfig, engine: DraftEngine, channel: RowChannel | None):
-        self.cfg, self.engine, self.channel = cfg, engine, channel
+    def __init__(self, cfg: ServiceConfig, group: RankGroup, channel: RowChannel | None):
+        self.cfg, self.group, self.engine, self.channel = cfg, group, group.engine, channel
         self.lock = threading.Lock()
-        self.hidden_size = engine.model.cfg.hidden_size
+        self.hidden_size = group.engine.model.cfg.hidden_size
 
     def _item(self, it) -> ProposeItem:
         s = it.sampling
@@ -73,7 +74,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 items = [self._item(it) for it in request.items]
                 expected = self.engine.expected_rows(items)
                 rows = self._gather_rows(request, expected)
-                results = self.engine.propose(items, rows)
+                results = self.group.call("propose", items, rows)
         except ServiceError as e:
             grpc_server.abort(context, e.code, str(e))
         return draft_pb2.ProposeResponse(results=[
@@ -82,7 +83,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def Release(self, request, context):
         with self.lock:
-            return target_pb2.ReleaseResponse(released=self.engine.release(list(request.request_ids)))
+            return target_pb2.ReleaseResponse(released=self.group.call("release", list(request.request_ids)))
 
     def GetInfo(self, request, context):
         e, cfg = self.engine, self.engine.model.cfg
@@ -95,19 +96,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
 
 def main(argv=None) -> int:
-    from models.kv_cache import PagedKVCache
-    from models.loader import load_model
     from models.model import DraftModel
-    cfg = parse("draft", argv, __doc__)
-    setup_torch(cfg)
-    model = load_model(DraftModel, cfg.model, dtype=cfg.torch_dtype, device=cfg.device)
-    mc = model.cfg
-    cache = PagedKVCache(model.num_cache_layers, cfg.num_blocks, cfg.block_size, mc.kv_lora_rank,
-                         mc.qk_rope_head_dim, cfg.torch_dtype, cfg.device)
-    engine = DraftEngine(model, cache, min(cfg.max_model_len, mc.max_position_embeddings))
-    backend = cfg.bridge_backend
-    channel = RowChannel(cfg.bridge_addr, "receiver", backend, cfg.device) if backend else None
-    servicer = DraftServicer(cfg, engine, channel)
-    grpc_server.serve(lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
-                      ["tandem.v1.DraftService"], cfg.host, cfg.port)
-    return 0
+    return run_service("draft", list(argv or []), __doc__, DraftModel, DraftEngine, DraftServicer,
+                       draft_pb2_grpc.add_DraftServiceServicer_to_server, "tandem.v1.DraftService")

@@ -12,7 +12,7 @@ import torch
 
 from kernels.speculative import greedy_verify, rejection_sample, sampling_probs
 from models.kv_cache import CacheFullError, PagedKVCache
-from services.bridge.rows import ServiceError
+from services.bridge.rows import ServiceError, expect_rows
 
 
 @dataclass
@@ -85,7 +85,7 @@ class TargetEngine:
         last = hidden[lens.cumsum(0) - 1]                                       # [B, D]
         gens = [new_generator(s.seed) for _, _, s in items]
         probs = self._probs(self.model.compute_logits(last), [s for _, _, s in items])   # [B, V]
-        first = [self._sample(probs[b], g) for b, g in enumerate(gens)]
+        first = self.model.ps.decide(torch.tensor([self._sample(probs[b], g) for b, g in enumerate(gens)])).tolist()
         for (rid, prompt, s), tok, g in zip(items, first, gens):
             self.requests[rid] = _Request(tok, len(prompt) + 1, s, g)
         return first, hidden
@@ -136,6 +136,7 @@ class TargetEngine:
             u = torch.stack([torch.rand(K, generator=r.generator) for r in reqs])
             e = torch.stack([torch.empty(V).exponential_(generator=r.generator) for r in reqs])
             accepted, emitted = rejection_sample(p, q, drafts, k, u, e)
+        accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides
         out_tokens, keep_rows = [], []
         for b, ((rid, d, _), r) in enumerate(zip(items, reqs)):
             a = int(accepted[b])
@@ -160,7 +161,7 @@ class TargetEngine:
         except CacheFullError as e:
             raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
         tokens = torch.tensor([t for s in seqs.values() for t in s], device=self.cache.device)
-        return self.model(tokens, batch, self.cache)
+        return expect_rows(self.model(tokens, batch, self.cache), tokens.shape[0], "the target model")
 
     @staticmethod
     def _probs(logits: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:

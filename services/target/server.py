@@ -10,7 +10,8 @@ import torch
 
 from services.bridge.channel import RowChannel
 from services.bridge.rows import CONTRACT_VERSION, ServiceError, describe
-from services.config import ServiceConfig, parse, setup_torch
+from services.config import ServiceConfig
+from services.ranks import RankGroup, run_service
 from services.target.engine import Sampling, TargetEngine
 from tandem import grpc_server
 from tandem.v1 import rows_pb2, target_pb2, target_pb2_grpc
@@ -23,8 +24,8 @@ def sampling_from_pb(s: rows_pb2.SamplingParams) -> Sampling:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, cfg: ServiceConfig, engine: TargetEngine, channel: RowChannel | None):
-        self.cfg, self.engine, self.channel = cfg, engine, channel
+    def __init__(self, cfg: ServiceConfig, group: RankGroup, channel: RowChannel | None):
+        self.cfg, self.group, self.engine, self.channel = cfg, group, group.engine, channel
         self.lock = threading.Lock()          # one step at a time: the engine owns the cache
         self._transfer_ids = itertools.count(1)
 
@@ -51,7 +52,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             items = [(it.request_id, list(it.prompt_token_ids), sampling_from_pb(it.sampling)) for it in request.items]
             if not items:
                 raise ServiceError("INVALID_ARGUMENT", "items is empty")
-            first, hidden = self.engine.prefill(items)
+            first, hidden = self.group.call("prefill", items)
             rows = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
                               [len(i[1]) for i in items], hidden)
             return target_pb2.PrefillResponse(first_token_ids=first, hidden_rows=rows)
@@ -72,7 +73,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 items.append((it.request_id, list(it.draft_token_ids), q))
             if not items:
                 raise ServiceError("INVALID_ARGUMENT", "items is empty")
-            accepted, emitted, rows = self.engine.verify(items)
+            accepted, emitted, rows = self.group.call("verify", items)
             results = [target_pb2.VerifyResult(num_accepted=a, emitted_token_ids=t) for a, t in zip(accepted, emitted)]
             desc = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
                               [a + 1 for a in accepted], rows)
@@ -81,7 +82,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def Release(self, request, context):
         with self.lock:
-            return target_pb2.ReleaseResponse(released=self.engine.release(list(request.request_ids)))
+            return target_pb2.ReleaseResponse(released=self.group.call("release", list(request.request_ids)))
 
     def GetInfo(self, request, context):
         e, cfg = self.engine, self.engine.model.cfg
@@ -94,19 +95,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
 
 def main(argv=None) -> int:
-    from models.kv_cache import PagedKVCache
-    from models.loader import load_model
     from models.model import TargetModel
-    cfg = parse("target", argv, __doc__)
-    setup_torch(cfg)
-    model = load_model(TargetModel, cfg.model, dtype=cfg.torch_dtype, device=cfg.device)
-    mc = model.cfg
-    cache = PagedKVCache(mc.num_hidden_layers, cfg.num_blocks, cfg.block_size, mc.kv_lora_rank,
-                         mc.qk_rope_head_dim, cfg.torch_dtype, cfg.device)
-    engine = TargetEngine(model, cache, min(cfg.max_model_len, mc.max_position_embeddings))
-    backend = cfg.bridge_backend
-    channel = RowChannel(cfg.bridge_addr, "sender", backend, cfg.device) if backend else None
-    servicer = TargetServicer(cfg, engine, channel)
-    grpc_server.serve(lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
-                      ["tandem.v1.TargetService"], cfg.host, cfg.port)
-    return 0
+    return run_service("target", list(argv or []), __doc__, TargetModel, TargetEngine, TargetServicer,
+                       target_pb2_grpc.add_TargetServiceServicer_to_server, "tandem.v1.TargetService")

@@ -1,0 +1,122 @@
+"""A service as `tp` rank processes in one torch.distributed group (gloo on CPU, NCCL on GPU).
+
+Rank 0 hosts the gRPC server. Every engine call is broadcast to the other ranks, which replay it
+on their own shards; decisions that depend on sampling (first tokens, accepted counts, draft
+tokens) are broadcast from rank 0 inside the engines (`ParallelState.decide`), so every rank's
+cache bookkeeping stays identical. Workers exit when rank 0 goes away.
+"""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from models.parallel import ParallelState
+from services.bridge.rows import ServiceError
+from services.config import ServiceConfig
+
+log = logging.getLogger("tandem.ranks")
+
+
+def start_workers(role: str, argv: list[str], cfg: ServiceConfig) -> list[subprocess.Popen]:
+    """Rank 0 starts ranks 1..tp-1 as `tandem ROLE <same flags> --rank i`."""
+    return [subprocess.Popen([sys.executable, "-m", "tandem", role, *argv, "--rank", str(r)])
+            for r in range(1, cfg.tp)]
+
+
+def init_group(cfg: ServiceConfig) -> ParallelState:
+    if cfg.tp == 1:
+        return ParallelState(ep_size=cfg.ep)
+    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{cfg.dist_addr}", rank=cfg.rank, world_size=cfg.tp,
+                            timeout=timedelta(seconds=600))
+    log.info("%s rank %d/%d joined (%s)", cfg.role, cfg.rank, cfg.tp, backend)
+    return ParallelState(tp_rank=cfg.rank, tp_size=cfg.tp, ep_size=cfg.ep,
+                         sequence_parallel=cfg.sequence_parallel, tp_group=dist.group.WORLD)
+
+
+class RankGroup:
+    def __init__(self, engine, ps: ParallelState):
+        self.engine, self.ps = engine, ps
+
+    def call(self, method: str, *args):
+        """Rank 0: run engine.method(*args) on every rank; return rank 0's result."""
+        if self.ps.tp_size > 1:
+            dist.broadcast_object_list([(method, _cpu(args))], src=0)
+        return getattr(self.engine, method)(*args)
+
+    def serve_worker(self) -> None:
+        """Ranks > 0: replay rank 0's calls until it closes the group or dies."""
+        while True:
+            msg = [None]
+            try:
+                dist.broadcast_object_list(msg, src=0)
+            except Exception as e:
+                log.info("rank %d: rank 0 is gone (%s); exiting", self.ps.tp_rank, type(e).__name__)
+                return
+            if msg[0] is None:
+                return
+            method, args = msg[0]
+            try:
+                getattr(self.engine, method)(*args)
+            except ServiceError:
+                pass                       # rank 0 raised the same error and answered the client
+
+    def close(self) -> None:
+        if self.ps.tp_size > 1:
+            dist.broadcast_object_list([None], src=0)
+
+
+def _cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cpu(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _cpu(v) for k, v in x.items()}
+    return x
+
+
+def run_service(role: str, argv: list[str], description: str, model_cls, engine_cls, make_servicer,
+                add_servicer, service_name: str) -> int:
+    """Start one target or draft process: rank 0 serves gRPC, the others replay its engine calls."""
+    from models.kv_cache import PagedKVCache
+    from models.loader import load_model
+    from services.bridge.channel import RowChannel
+    from services.config import parse, setup_torch
+    from tandem import grpc_server
+    cfg = parse(role, argv, description)
+    workers = start_workers(role, argv, cfg) if cfg.rank == 0 else []
+    try:
+        setup_torch(cfg)
+        ps = init_group(cfg)
+        try:
+            model = load_model(model_cls, cfg.model, ps=ps, dtype=cfg.torch_dtype, device=cfg.rank_device)
+        except ValueError as e:                    # layout errors: heads/experts not divisible, ...
+            raise SystemExit(f"tandem {role}: {e}") from None
+        mc = model.cfg
+        cache = PagedKVCache(model.num_cache_layers, cfg.num_blocks, cfg.block_size, mc.kv_lora_rank,
+                             mc.qk_rope_head_dim, cfg.torch_dtype, cfg.rank_device)
+        group = RankGroup(engine_cls(model, cache, min(cfg.max_model_len, mc.max_position_embeddings)), ps)
+        if cfg.rank > 0:
+            group.serve_worker()
+            return 0
+        backend = cfg.bridge_backend
+        channel = RowChannel(cfg.bridge_addr, "sender" if role == "target" else "receiver", backend,
+                             cfg.rank_device) if backend else None
+        servicer = make_servicer(cfg, group, channel)
+        try:
+            grpc_server.serve(lambda s: add_servicer(servicer, s), [service_name], cfg.host, cfg.port)
+        finally:
+            group.close()
+    finally:
+        for w in workers:
+            try:
+                w.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                w.kill()
+    return 0
