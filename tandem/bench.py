@@ -1,0 +1,164 @@
+"""`tandem bench acceptance`: draft acceptance of the served cluster on held-out text.
+
+Starts `tandem serve` (or uses --gateway ADDR), sends held-out code prompts with greedy and
+temperature-1 decoding at K = 1..max, and reports vLLM's metrics: mean acceptance length
+(1 + accepted / drafts), per-position acceptance (accepted at position i / drafts) and tokens per
+target forward (completion tokens / (1 prefill + rounds)). Writes a markdown table and a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from tandem.v1 import generate_pb2, generate_pb2_grpc
+
+
+def heldout_prompts(model: Path, n: int, prompt_chars: int, seed: int) -> list[str]:
+    """Prompts cut from the held-out files the model card names (else the stdlib's own files)."""
+    root = Path(os.__file__).parent
+    listed = model / "heldout_files.json"
+    names = json.loads(listed.read_text()) if listed.exists() else []
+    files = [root / p for p in names if (root / p).exists()] or sorted(root.glob("*.py"))[-20:]
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        text = rng.choice(files).read_text(errors="ignore")
+        if len(text) > prompt_chars * 2:
+            start = rng.randrange(0, len(text) - prompt_chars)
+            start = text.rfind("\n", 0, start) + 1           # start at a line
+            out.append(text[start:start + prompt_chars])
+    return out
+
+
+def run_acceptance(stub, prompts: list[str], ks: list[int], temperature: float, max_tokens: int,
+                   concurrency: int) -> list[dict]:
+    rows = []
+    for k in ks:
+        def one(i_p):
+            i, p = i_p
+            req = generate_pb2.GenerateRequest(text=p, max_tokens=max_tokens, temperature=temperature,
+                                               seed=1000 + i, ignore_eos=True, num_speculative_tokens=k)
+            return stub.Generate(req, timeout=600)
+        with ThreadPoolExecutor(concurrency) as pool:
+            resps = list(pool.map(one, enumerate(prompts)))
+        drafts = sum(r.spec_stats.num_drafts for r in resps)
+        accepted = sum(r.spec_stats.num_accepted_tokens for r in resps)
+        per_pos = [sum(r.spec_stats.accepted_per_position[i] for r in resps
+                       if len(r.spec_stats.accepted_per_position) > i) / max(drafts, 1) for i in range(k)]
+        tokens = sum(r.usage.completion_tokens for r in resps)
+        forwards = sum(1 + r.spec_stats.num_drafts for r in resps)
+        rows.append({"k": k, "temperature": temperature, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+                     "per_position": per_pos, "tokens_per_forward": tokens / forwards,
+                     "drafts": drafts, "accepted": accepted, "requests": len(resps)})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    kmax = max(r["k"] for r in rows)
+    head = ("| decoding | K | mean acceptance length | tokens / target forward | "
+            + " | ".join(f"pos {i + 1}" for i in range(kmax)) + " |")
+    sep = "|" + "---|" * (4 + kmax)
+    lines = [head, sep]
+    for r in rows:
+        pos = [f"{p:.3f}" for p in r["per_position"]] + [""] * (kmax - r["k"])
+        mode = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
+        lines.append(f"| {mode} | {r['k']} | {r['mean_acceptance_length']:.3f} | {r['tokens_per_forward']:.3f} | "
+                     + " | ".join(pos) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, temp in zip(axes, sorted({r["temperature"] for r in rows})):
+        for r in (r for r in rows if r["temperature"] == temp):
+            ax.plot(range(1, r["k"] + 1), r["per_position"], marker="o", label=f"K={r['k']}")
+        ax.set_title("greedy" if temp == 0 else f"temperature {temp:g}")
+        ax.set_xlabel("draft position")
+        ax.set_xticks(range(1, max(r["k"] for r in rows) + 1))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[0].set_ylabel("acceptance rate (accepted / drafts)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cluster(model: str, kmax: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    ports = [_free_port() for _ in range(5)]
+    cmd = [sys.executable, "-m", "tandem", "serve", "--model", model, "-k", str(kmax),
+           "--grpc-port", str(ports[0]), "--target-port", str(ports[1]), "--draft-port", str(ports[2]),
+           "--bridge-port", str(ports[3]), "--dist-port", str(ports[4]), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:                   # "tandem: serving ..." means all three are SERVING
+        if line.startswith("tandem: serving"):
+            return proc, f"127.0.0.1:{ports[0]}"
+    raise SystemExit(f"tandem serve exited with code {proc.wait()}")
+
+
+def acceptance(argv) -> int:
+    from tandem.cli import default_model
+    p = argparse.ArgumentParser(prog="tandem bench acceptance", description=__doc__)
+    p.add_argument("--model", default=None)
+    p.add_argument("--gateway", default=None, help="use a running gateway (HOST:PORT) instead of starting one")
+    p.add_argument("--max-k", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-chars", type=int, default=600)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/acceptance")
+    a, extra = p.parse_known_args(argv)
+    model = str(a.model or default_model())
+    proc = None
+    if a.gateway is None:
+        proc, a.gateway = start_cluster(model, a.max_k, extra)
+    try:
+        stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(a.gateway))
+        prompts = heldout_prompts(Path(model), a.prompts, a.prompt_chars, a.seed)
+        started = time.time()
+        rows = []
+        for t in (float(x) for x in a.temperatures.split(",")):
+            rows += run_acceptance(stub, prompts, list(range(1, a.max_k + 1)), t, a.max_tokens, a.concurrency)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = (f"Acceptance of {model} on {a.prompts} held-out prompts ({a.prompt_chars} chars), "
+          f"{a.max_tokens} new tokens each, {time.time() - started:.0f} s\n\n" + table(rows) + "\n")
+    (out / "acceptance.md").write_text(md)
+    (out / "acceptance.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, out / "acceptance.png")
+    print(md)
+    print(f"wrote {out / 'acceptance.md'}, {out / 'acceptance.png'}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(argv or [])
+    benches = {"acceptance": acceptance}
+    if not argv or argv[0] not in benches:
+        print(f"usage: tandem bench {{{','.join(benches)}}} [options]", file=sys.stderr)
+        return 2
+    return benches[argv[0]](argv[1:])
