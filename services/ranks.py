@@ -81,6 +81,19 @@ def _cpu(x):
     return x
 
 
+def service_info(cfg: ServiceConfig, engine, running: int):
+    """The InfoResponse both services answer GetInfo with (the gateway checks they agree)."""
+    from services.bridge.rows import CONTRACT_VERSION
+    from tandem.v1 import target_pb2
+    mc = engine.model.cfg
+    return target_pb2.InfoResponse(
+        model=cfg.model, vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
+        eos_token_ids=list(mc.eos_token_ids), max_model_len=engine.max_model_len,
+        kv_blocks_total=engine.cache.num_blocks, kv_blocks_free=engine.cache.num_free_blocks,
+        running_requests=running, contract_version=CONTRACT_VERSION,
+        num_nextn_predict_layers=mc.num_nextn_predict_layers)
+
+
 def run_service(role: str, argv: list[str], description: str, model_cls, engine_cls, make_servicer,
                 add_servicer, service_name: str) -> int:
     """Start one target or draft process: rank 0 serves gRPC, the others replay its engine calls."""

@@ -7,10 +7,10 @@ import threading
 import torch
 
 from services.bridge.channel import RowChannel
-from services.bridge.rows import (CONTRACT_VERSION, ServiceError, check, check_payload, decode_inline,
+from services.bridge.rows import (ServiceError, check, check_payload, decode_inline,
                                   rows_by_request)
 from services.config import ServiceConfig
-from services.ranks import RankGroup, run_service
+from services.ranks import RankGroup, run_service, service_info
 from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
 from tandem import grpc_server
 from tandem.v1 import draft_pb2, draft_pb2_grpc, rows_pb2, target_pb2
@@ -86,13 +86,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             return target_pb2.ReleaseResponse(released=self.group.call("release", list(request.request_ids)))
 
     def GetInfo(self, request, context):
-        e, cfg = self.engine, self.engine.model.cfg
-        return target_pb2.InfoResponse(
-            model=self.cfg.model, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            eos_token_ids=list(cfg.eos_token_ids), max_model_len=e.max_model_len,
-            kv_blocks_total=e.cache.num_blocks, kv_blocks_free=e.cache.num_free_blocks,
-            running_requests=len(e.committed), contract_version=CONTRACT_VERSION,
-            num_nextn_predict_layers=cfg.num_nextn_predict_layers)
+        return service_info(self.cfg, self.engine, len(self.engine.committed))
 
 
 def main(argv=None) -> int:
