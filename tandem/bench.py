@@ -155,9 +155,76 @@ def acceptance(argv) -> int:
     return 0
 
 
+def run_speed(stub, prompts: list[str], k: int, batch: int, max_tokens: int) -> dict:
+    """`batch` concurrent greedy requests at a time until every prompt is done -> decode tokens/s."""
+    def one(p):
+        t0 = time.perf_counter()
+        r = stub.Generate(generate_pb2.GenerateRequest(text=p, max_tokens=max_tokens, ignore_eos=True,
+                                                       num_speculative_tokens=k), timeout=900)
+        return r, time.perf_counter() - t0
+    with ThreadPoolExecutor(batch) as pool:
+        list(pool.map(one, prompts[:batch]))                          # warm-up
+        t0 = time.perf_counter()
+        results = list(pool.map(one, prompts))
+        wall = time.perf_counter() - t0
+    tokens = sum(r.usage.completion_tokens for r, _ in results)
+    drafts = sum(r.spec_stats.num_drafts for r, _ in results)
+    accepted = sum(r.spec_stats.num_accepted_tokens for r, _ in results)
+    return {"k": k, "batch": batch, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "p50_request_s": sorted(t for _, t in results)[len(results) // 2]}
+
+
+def speed(argv) -> int:
+    from tandem.cli import default_model
+    p = argparse.ArgumentParser(prog="tandem bench speed", description="decode tokens/s of the served "
+                                "cluster for K and batch sizes, ratios against K = 0 in the same run")
+    p.add_argument("--model", default=None)
+    p.add_argument("--gateway", default=None)
+    p.add_argument("--ks", default="0,1,2,3,4")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--requests-per-batch", type=int, default=2, help="requests = this x batch size")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--out", default="results/speed")
+    a, extra = p.parse_known_args(argv)
+    model = str(a.model or default_model())
+    ks = [int(x) for x in a.ks.split(",")]
+    proc = None
+    if a.gateway is None:
+        proc, a.gateway = start_cluster(model, max(ks), extra)
+    rows = []
+    try:
+        stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(a.gateway))
+        for b in (int(x) for x in a.batches.split(",")):
+            prompts = heldout_prompts(Path(model), b * a.requests_per_batch, 400, seed=b)
+            base = None
+            for k in ks:
+                r = run_speed(stub, prompts, k, b, a.max_tokens)
+                base = base or r["tokens_per_s"]
+                r["speedup"] = r["tokens_per_s"] / base
+                rows.append(r)
+                print(f"batch {b:3d} K={k}: {r['tokens_per_s']:8.1f} tok/s  x{r['speedup']:.2f}  "
+                      f"MAL {r['mean_acceptance_length']:.2f}", flush=True)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    lines = ["| batch | K | decode tokens/s | speedup vs K=0 | mean acceptance length | p50 request s |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
+              f"{r['mean_acceptance_length']:.2f} | {r['p50_request_s']:.2f} |" for r in rows]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = f"Speed of {model} ({' '.join(extra) or 'cpu'}), greedy, {a.max_tokens} new tokens\n\n" + "\n".join(lines) + "\n"
+    (out / "speed.md").write_text(md)
+    (out / "speed.json").write_text(json.dumps(rows, indent=1))
+    print(md)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(argv or [])
-    benches = {"acceptance": acceptance}
+    benches = {"acceptance": acceptance, "speed": speed}
     if not argv or argv[0] not in benches:
         print(f"usage: tandem bench {{{','.join(benches)}}} [options]", file=sys.stderr)
         return 2
