@@ -28,8 +28,12 @@ def heldout_prompts(model: Path, n: int, prompt_chars: int, seed: int) -> list[s
     """Prompts cut from the held-out files the model card names (else the stdlib's own files)."""
     root = Path(os.__file__).parent
     listed = model / "heldout_files.json"
-    names = json.loads(listed.read_text()) if listed.exists() else []
-    files = [root / p for p in names if (root / p).exists()] or sorted(root.glob("*.py"))[-20:]
+    names = json.loads(listed.read_text())["files"] if listed.exists() else []
+    files = [root / p for p in names if (root / p).exists()]
+    if not files:
+        print(f"note: no held-out file list at {listed} (or none of its files here); using stdlib files",
+              file=sys.stderr)
+        files = sorted(root.glob("*.py"))[-20:]
     rng = random.Random(seed)
     out = []
     while len(out) < n:
