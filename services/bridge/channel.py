@@ -55,6 +55,8 @@ class RowChannel:
 
     def _run(self):
         try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)   # the current device is per thread
             self._connect()
             (self._send_loop if self.role == "sender" else self._recv_loop)()
         except Exception as e:  # the channel is gone; callers fall back to inline rows
