@@ -8,6 +8,7 @@ posts receives continuously and files frames in a mailbox that Propose takes fro
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -35,6 +36,8 @@ class RowChannel:
         self._pg = None
         self._ready = threading.Event()
         self._outbox: queue.Queue = queue.Queue()
+        # GPU: the channel's own stream, so a posted receive never stalls the model's stream
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._mailbox: dict[int, tuple[float, torch.Tensor]] = {}
         self._arrived = threading.Condition()
         self.error: str | None = None
@@ -65,28 +68,40 @@ class RowChannel:
 
     # --- sender --------------------------------------------------------------------------------
     def send(self, transfer_id: int, rows: torch.Tensor) -> None:
-        """Queue rows [N, D] for the draft; returns at once."""
-        self._outbox.put((transfer_id, rows.detach().contiguous()))
+        """Queue rows [N, D] for the draft; returns at once (GPU: ordered after the caller's stream)."""
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(rows.device))
+        self._outbox.put((transfer_id, rows.detach().contiguous(), ready))
 
     def _send_loop(self):
         while True:
-            tid, rows = self._outbox.get()
-            payload = rows.view(torch.uint8).reshape(rows.shape[0], -1).to(self.device)
-            header = torch.tensor([tid, payload.shape[0], payload.shape[1], _DTYPE_CODE[rows.dtype]],
-                                  dtype=torch.int64, device=self.device)
-            self._pg.send([header], self.peer, 0).wait()
-            if payload.numel():
-                self._pg.send([payload], self.peer, 1).wait()
+            tid, rows, ready = self._outbox.get()
+            with _on(self._stream):
+                if ready is not None:
+                    self._stream.wait_event(ready)
+                payload = rows.view(torch.uint8).reshape(rows.shape[0], -1).to(self.device)
+                header = torch.tensor([tid, payload.shape[0], payload.shape[1], _DTYPE_CODE[rows.dtype]],
+                                      dtype=torch.int64, device=self.device)
+                self._pg.send([header], self.peer, 0).wait()
+                if payload.numel():
+                    self._pg.send([payload], self.peer, 1).wait()
+                if self._stream is not None:
+                    self._stream.synchronize()     # rows may be reused by the caller after this
 
     # --- receiver ------------------------------------------------------------------------------
     def _recv_loop(self):
         while True:
-            header = torch.empty(4, dtype=torch.int64, device=self.device)
-            self._pg.recv([header], self.peer, 0).wait()
-            tid, n, nbytes, code = header.tolist()
-            payload = torch.empty(n, nbytes, dtype=torch.uint8, device=self.device)
-            if payload.numel():
-                self._pg.recv([payload], self.peer, 1).wait()
+            with _on(self._stream):
+                header = torch.empty(4, dtype=torch.int64, device=self.device)
+                self._pg.recv([header], self.peer, 0).wait()
+                tid, n, nbytes, code = header.tolist()
+                payload = torch.empty(n, nbytes, dtype=torch.uint8, device=self.device)
+                if payload.numel():
+                    self._pg.recv([payload], self.peer, 1).wait()
+                if self._stream is not None:
+                    self._stream.synchronize()     # complete before any other stream reads it
             dtype = _CODE_DTYPE[code]
             rows = payload.view(dtype).reshape(n, nbytes // (torch.finfo(dtype).bits // 8))
             with self._arrived:
@@ -111,6 +126,10 @@ class RowChannel:
     def discard(self, transfer_id: int) -> None:
         with self._arrived:
             self._mailbox.pop(transfer_id, None)
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
