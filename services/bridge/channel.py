@@ -2,15 +2,19 @@
 
 Rank 0 (target) sends, rank 1 (draft) receives; gloo on CPU, NCCL between GPUs. The group is
 built from its own TCPStore rendezvous (not the target's TP group), so either side can start first.
-Each transfer is a frame: a header [transfer_id, rows, cols_in_bytes] then the payload as bytes.
-The sender queues frames to a thread, so a step never waits on the draft; the receiver's thread
-posts receives continuously and files frames in a mailbox that Propose takes from by transfer id.
+
+Pull, not push: the target parks each transfer's rows under its id and answers when the draft
+asks for that id. No point-to-point operation is ever left posted while its peer is busy: an
+outstanding NCCL receive (or send) deadlocks against work that synchronizes the device (a
+cudaMalloc, a pageable copy) on that side. A request goes through the store; the target acks it
+(so the draft can time out on the CPU without posting anything) and then sends a frame:
+a header [transfer_id, rows, bytes per row, dtype] and the payload as bytes, on the channel's own
+CUDA stream. Parked rows not pulled within PARK_TTL_S are dropped.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 from datetime import timedelta
@@ -19,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger("tandem.bridge")
-MAILBOX_TTL_S = 120.0
+PARK_TTL_S = 120.0
+_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
 
 
 class RowChannel:
@@ -33,13 +39,13 @@ class RowChannel:
         self._timeout = timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, int(port), 2, role == "sender", timeout=self._timeout,
                                     wait_for_workers=False)
+        self._prefix = "tandem-bridge/0/"
         self._pg = None
         self._ready = threading.Event()
-        self._outbox: queue.Queue = queue.Queue()
-        # GPU: the channel's own stream, so a posted receive never stalls the model's stream
+        self._parked: dict[int, tuple[float, torch.Tensor, object]] = {}
+        self._lock = threading.Condition()
+        self._pulls = 0                              # receiver: pull requests made so far
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._mailbox: dict[int, tuple[float, torch.Tensor]] = {}
-        self._arrived = threading.Condition()
         self.error: str | None = None
         threading.Thread(target=self._run, daemon=True, name=f"bridge-{role}").start()
 
@@ -47,90 +53,95 @@ class RowChannel:
     def ready(self) -> bool:
         return self._ready.is_set() and self.error is None
 
-    def _connect(self):
-        store = dist.PrefixStore("tandem-bridge/0", self._store)
-        if self.backend == "nccl":
-            self._pg = dist.ProcessGroupNCCL(store, self.rank, 2)
-        else:
-            self._pg = dist.ProcessGroupGloo(store, self.rank, 2, self._timeout)
-        self._ready.set()
-        log.info("bridge %s connected (%s, %s)", self.role, self.backend, self.device)
-
     def _run(self):
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)   # the current device is per thread
-            self._connect()
-            (self._send_loop if self.role == "sender" else self._recv_loop)()
-        except Exception as e:  # the channel is gone; callers fall back to inline rows
+            store = dist.PrefixStore(self._prefix + "pg", self._store)
+            if self.backend == "nccl":
+                self._pg = dist.ProcessGroupNCCL(store, self.rank, 2)
+            else:
+                self._pg = dist.ProcessGroupGloo(store, self.rank, 2, self._timeout)
+            self._ready.set()
+            log.info("bridge %s connected (%s, %s)", self.role, self.backend, self.device)
+            if self.role == "sender":
+                self._serve_pulls()
+        except Exception as e:  # the channel is gone; the target falls back to inline rows
             self.error = f"{type(e).__name__}: {e}"
             log.error("bridge %s failed: %s", self.role, self.error)
 
-    # --- sender --------------------------------------------------------------------------------
+    # --- sender (target) -----------------------------------------------------------------------
     def send(self, transfer_id: int, rows: torch.Tensor) -> None:
-        """Queue rows [N, D] for the draft; returns at once (GPU: ordered after the caller's stream)."""
+        """Park rows [N, D] under transfer_id until the draft pulls them; returns at once."""
         ready = None
-        if self._stream is not None:
+        if self._stream is not None:                 # the rows are complete once the caller's stream is
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(rows.device))
-        self._outbox.put((transfer_id, rows.detach().contiguous(), ready))
+        with self._lock:
+            now = time.monotonic()
+            for tid in [t for t, (at, _, _) in self._parked.items() if now - at > PARK_TTL_S]:
+                del self._parked[tid]                # never pulled (its Propose failed or never came)
+            self._parked[transfer_id] = (now, rows.detach(), ready)
 
-    def _send_loop(self):
+    def _serve_pulls(self):
+        n = 0
         while True:
-            tid, rows, ready = self._outbox.get()
-            with _on(self._stream):
-                if ready is not None:
-                    self._stream.wait_event(ready)
-                payload = rows.view(torch.uint8).reshape(rows.shape[0], -1).to(self.device)
-                header = torch.tensor([tid, payload.shape[0], payload.shape[1], _DTYPE_CODE[rows.dtype]],
-                                      dtype=torch.int64, device=self.device)
-                self._pg.send([header], self.peer, 0).wait()
-                if payload.numel():
-                    self._pg.send([payload], self.peer, 1).wait()
-                if self._stream is not None:
-                    self._stream.synchronize()     # rows may be reused by the caller after this
+            key = f"{self._prefix}pull/{n}"
+            self._store.wait([key], timedelta(days=365))
+            tid = int(self._store.get(key))
+            with self._lock:
+                _, rows, ready = self._parked.pop(tid, (0, None, None))
+            self._store.set(f"{self._prefix}ack/{n}", b"1" if rows is not None else b"0")
+            if rows is not None:
+                with _on(self._stream):
+                    if ready is not None:
+                        self._stream.wait_event(ready)
+                    payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1).to(self.device)
+                    header = torch.tensor([tid, payload.shape[0], payload.shape[1], _DTYPE_CODE[rows.dtype]],
+                                          dtype=torch.int64, device=self.device)
+                    self._pg.send([header], self.peer, 0).wait()
+                    if payload.numel():
+                        self._pg.send([payload], self.peer, 1).wait()
+                    if self._stream is not None:
+                        self._stream.synchronize()
+            n += 1
 
-    # --- receiver ------------------------------------------------------------------------------
-    def _recv_loop(self):
-        while True:
+    # --- receiver (draft) ----------------------------------------------------------------------
+    def take(self, transfer_id: int, timeout_s: float) -> torch.Tensor:
+        """Pull the rows of `transfer_id` [N, D]; TimeoutError if the target does not answer."""
+        if not self._ready.wait(timeout_s) or self.error:
+            raise TimeoutError(f"hidden rows bridge not connected" + (f": {self.error}" if self.error else ""))
+        with self._lock:                              # one pull at a time, in order
+            n = self._pulls
+            self._pulls += 1
+            self._store.set(f"{self._prefix}pull/{n}", str(transfer_id))
+            ack = f"{self._prefix}ack/{n}"
+            try:
+                self._store.wait([ack], timedelta(seconds=timeout_s))
+            except Exception:
+                self.error = f"target did not answer pull {n} within {timeout_s:.1f}s"
+                raise TimeoutError(f"hidden rows transfer {transfer_id}: {self.error}") from None
+            if self._store.get(ack) != b"1":
+                raise TimeoutError(f"hidden rows transfer {transfer_id} is not held by the target "
+                                   f"(expired or never sent)")
             with _on(self._stream):
                 header = torch.empty(4, dtype=torch.int64, device=self.device)
                 self._pg.recv([header], self.peer, 0).wait()
-                tid, n, nbytes, code = header.tolist()
-                payload = torch.empty(n, nbytes, dtype=torch.uint8, device=self.device)
+                tid, n_rows, nbytes, code = header.tolist()
+                payload = torch.empty(n_rows, nbytes, dtype=torch.uint8, device=self.device)
                 if payload.numel():
                     self._pg.recv([payload], self.peer, 1).wait()
                 if self._stream is not None:
-                    self._stream.synchronize()     # complete before any other stream reads it
-            dtype = _CODE_DTYPE[code]
-            rows = payload.view(dtype).reshape(n, nbytes // (torch.finfo(dtype).bits // 8))
-            with self._arrived:
-                now = time.monotonic()
-                for old in [k for k, (t, _) in self._mailbox.items() if now - t > MAILBOX_TTL_S]:
-                    del self._mailbox[old]   # never claimed (its Propose failed or never came)
-                self._mailbox[tid] = (now, rows)
-                self._arrived.notify_all()
-
-    def take(self, transfer_id: int, timeout_s: float) -> torch.Tensor:
-        """The rows of `transfer_id`, waiting up to timeout_s for them to arrive."""
-        deadline = time.monotonic() + timeout_s
-        with self._arrived:
-            while transfer_id not in self._mailbox:
-                left = deadline - time.monotonic()
-                if left <= 0 or self.error:
-                    raise TimeoutError(f"hidden rows transfer {transfer_id} did not arrive within "
-                                       f"{timeout_s:.1f}s" + (f" (bridge: {self.error})" if self.error else ""))
-                self._arrived.wait(left)
-            return self._mailbox.pop(transfer_id)[1]
+                    self._stream.synchronize()
+            if tid != transfer_id:                    # the channel is out of step: never use it again
+                self.error = f"pulled transfer {transfer_id}, received frame {tid}"
+                raise TimeoutError(f"hidden rows bridge: {self.error}")
+        dtype = _CODE_DTYPE[code]
+        return payload.view(dtype).reshape(n_rows, nbytes // (torch.finfo(dtype).bits // 8))
 
     def discard(self, transfer_id: int) -> None:
-        with self._arrived:
-            self._mailbox.pop(transfer_id, None)
+        """Receiver side: nothing to free (rows are only moved when pulled)."""
 
 
 def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-_CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
