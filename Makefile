@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PROTOS := $(wildcard proto/tandem/v1/*.proto)
 
-.PHONY: run test install proto clean
+.PHONY: run test install proto clean compose-check
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,11 @@ run: install proto
 
 test: install proto
 	$(PY) -m pytest -q tests $(ARGS)
+
+# validate the compose files (Debian: apt-get install docker-compose; .ci/run installs it)
+compose-check:
+	docker-compose -f docker-compose.yml config -q
+	docker-compose -f docker-compose.yml -f docker-compose.gpu.yml config -q
 
 clean:
 	rm -rf $(VENV) tandem/v1/*_pb2*.py tandem/v1/*_pb2*.pyi tandem/v1/.generated results

@@ -1,9 +1,11 @@
-"""`tandem gateway`: the public GenerateService (gRPC) in front of the target and draft services."""
+"""`tandem gateway`: the public face in front of the target and draft services — the gRPC
+GenerateService and the OpenAI-compatible REST API (gateway/http.py), in one process and event loop."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +16,11 @@ from grpc_health.v1 import _async as health_aio
 from grpc_reflection.v1alpha import reflection
 from tokenizers import Tokenizer
 
+from gateway.core import GenerationError, Gateway, Limits, RequestError
+from gateway.http import HttpServer
+from gateway.metrics import GatewayMetrics
 from gateway.scheduler import GenRequest, Scheduler
-from gateway.text import TextStream
+from tandem import tracing
 from tandem.grpc_server import channel_options
 from tandem.v1 import draft_pb2_grpc, generate_pb2, generate_pb2_grpc, rows_pb2, target_pb2, target_pb2_grpc
 
@@ -37,6 +42,16 @@ class GatewayConfig:
     default_max_tokens: int = 256
     hidden_transport: str = "auto"
     connect_timeout_s: float = 120.0
+    http_port: int = 8000
+    served_model_name: str = ""
+    api_key: str = ""
+    otlp_endpoint: str = ""
+    stats_interval_s: float = 10.0
+    max_logprobs: int = 20
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
 
     def validate(self) -> "GatewayConfig":
         if not 0 <= self.num_speculative_tokens <= 16:
@@ -49,56 +64,42 @@ class GatewayConfig:
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, cfg: GatewayConfig, scheduler: Scheduler, tokenizer: Tokenizer, info):
-        self.cfg, self.scheduler, self.tokenizer, self.info = cfg, scheduler, tokenizer, info
+    def __init__(self, gw: Gateway):
+        self.gw = gw
 
-    def build(self, request: generate_pb2.GenerateRequest) -> GenRequest:
-        """Validate a request; raises ValueError naming the field, expected and actual value."""
+    def build(self, request: generate_pb2.GenerateRequest, span=None) -> GenRequest:
+        """Validate a request; raises RequestError naming the field, expected and actual value."""
         which = request.WhichOneof("prompt")
         ids = list(request.token_ids.ids) if which == "token_ids" else (
-            self.tokenizer.encode(request.text).ids if which == "text" else [])
-        if not ids:
-            raise ValueError("prompt: empty (give text or token_ids)")
-        bad = [t for t in ids if t >= self.info.vocab_size]
-        if bad:
-            raise ValueError(f"token_ids: id {bad[0]} is out of range, vocab_size is {self.info.vocab_size}")
-        max_tokens = request.max_tokens or self.cfg.default_max_tokens
-        limit = self.info.max_model_len
-        if len(ids) + max_tokens + self.cfg.num_speculative_tokens + 1 > limit:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                             f"limit of {limit - self.cfg.num_speculative_tokens - 1} tokens")
-        if not request.temperature >= 0:
-            raise ValueError(f"temperature: must be >= 0, got {request.temperature}")
-        if not 0 <= request.top_p <= 1:
-            raise ValueError(f"top_p: must be in [0, 1], got {request.top_p}")
-        k = self.cfg.num_speculative_tokens
-        if request.HasField("num_speculative_tokens"):
-            if request.num_speculative_tokens > k:
-                raise ValueError(f"num_speculative_tokens: at most {k} on this gateway, got "
-                                 f"{request.num_speculative_tokens}")
-            k = request.num_speculative_tokens
-        sampling = rows_pb2.SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k)
-        if request.HasField("seed"):
-            sampling.seed = request.seed
-        return GenRequest(id=self.scheduler.new_id(), prompt_ids=ids, max_tokens=max_tokens, sampling=sampling,
-                          text=TextStream(self.tokenizer, list(request.stop)), ignore_eos=request.ignore_eos, k=k)
+            self.gw.encode(request.text) if which == "text" else [])
+        return self.gw.new_request(
+            ids, request.max_tokens or None, temperature=request.temperature, top_p=request.top_p,
+            top_k=request.top_k, seed=request.seed if request.HasField("seed") else None, stop=list(request.stop),
+            ignore_eos=request.ignore_eos, ids_param="token_ids" if which == "token_ids" else "prompt",
+            k=request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None, span=span)
 
     async def _events(self, request, context):
+        span = tracing.start_request_span(
+            f"generate {self.gw.model_name}", tracing.extract(context.invocation_metadata() or ()),
+            **{"gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.gw.model_name,
+               "gen_ai.request.max_tokens": request.max_tokens or None,
+               "gen_ai.request.temperature": request.temperature, "rpc.system": "grpc"})
+        r, finish = None, None
         try:
-            r = self.build(request)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self.scheduler.submit(r)
-        try:
-            while True:
-                ev = await r.events.get()
-                if ev.error:
-                    await context.abort(ev.error[0], ev.error[1])
-                yield r, ev
-                if ev.finish_reason:
-                    return
+            try:
+                r = self.build(request, span)
+            except RequestError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            try:
+                async for ev in self.gw.events(r):
+                    finish = ev.finish_reason
+                    yield r, ev
+            except GenerationError as e:
+                await context.abort(e.code, str(e))
         finally:
-            self.scheduler.cancel(r)
+            tracing.finish(span, **({} if r is None else {
+                "gen_ai.usage.input_tokens": len(r.prompt_ids), "gen_ai.usage.output_tokens": len(r.output_ids),
+                "gen_ai.response.id": r.id, "gen_ai.response.finish_reasons": [finish] if finish else None}))
 
     def _final(self, r, resp: generate_pb2.GenerateResponse, finish: str):
         s = r.stats
@@ -115,13 +116,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             yield self._final(r, resp, ev.finish_reason) if ev.finish_reason else resp
 
     async def Generate(self, request, context):
-        ids, text = [], []
+        ids, text, r, finish = [], [], None, None
         async for r, ev in self._events(request, context):
             ids += ev.token_ids
             text.append(ev.text)
-            if ev.finish_reason:
-                resp = generate_pb2.GenerateResponse(request_id=r.id, token_ids=ids, text="".join(text))
-                return self._final(r, resp, ev.finish_reason)
+            finish = ev.finish_reason
+        resp = generate_pb2.GenerateResponse(request_id=r.id, token_ids=ids, text="".join(text))
+        return self._final(r, resp, finish)
 
 
 async def wait_ready(channel: grpc.aio.Channel, name: str, timeout_s: float) -> None:
@@ -140,42 +141,58 @@ async def wait_ready(channel: grpc.aio.Channel, name: str, timeout_s: float) -> 
 
 
 async def serve(cfg: GatewayConfig) -> None:
+    tracing.setup("tandem-gateway", cfg.otlp_endpoint)
     tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
-    tchan = grpc.aio.insecure_channel(cfg.target_addr, options=channel_options())
+    tchan = grpc.aio.insecure_channel(cfg.target_addr, options=channel_options(),
+                                      interceptors=tracing.client_interceptors())
     await wait_ready(tchan, f"target at {cfg.target_addr}", cfg.connect_timeout_s)
     target = target_pb2_grpc.TargetServiceStub(tchan)
     info = await target.GetInfo(target_pb2.InfoRequest(), timeout=10)
+    services = {"target": target}
     draft = None
     if cfg.num_speculative_tokens > 0:
-        dchan = grpc.aio.insecure_channel(cfg.draft_addr, options=channel_options())
+        dchan = grpc.aio.insecure_channel(cfg.draft_addr, options=channel_options(),
+                                          interceptors=tracing.client_interceptors())
         await wait_ready(dchan, f"draft at {cfg.draft_addr}", cfg.connect_timeout_s)
-        draft = draft_pb2_grpc.DraftServiceStub(dchan)
+        draft = services["draft"] = draft_pb2_grpc.DraftServiceStub(dchan)
         dinfo = await draft.GetInfo(target_pb2.InfoRequest(), timeout=10)
         for field in ("vocab_size", "hidden_size", "contract_version"):
             if getattr(dinfo, field) != getattr(info, field):
                 raise SystemExit(f"draft and target disagree on {field}: draft {getattr(dinfo, field)!r}, "
                                  f"target {getattr(info, field)!r}")
+    metrics = GatewayMetrics(cfg.model_name)
     scheduler = Scheduler(target, draft, set(info.eos_token_ids), cfg.max_batch,
-                          transport=TRANSPORTS[cfg.hidden_transport])
+                          transport=TRANSPORTS[cfg.hidden_transport], observer=metrics)
+    metrics.attach(scheduler, services)
+    gw = Gateway(cfg.model, cfg.model_name, tokenizer, scheduler, Limits(
+        info.vocab_size, info.max_model_len, cfg.num_speculative_tokens, cfg.default_max_tokens, cfg.max_logprobs))
     loop_task = asyncio.ensure_future(scheduler.run())
     server = grpc.aio.server(options=channel_options())
-    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(cfg, scheduler, tokenizer, info), server)
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(gw), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(["tandem.v1.GenerateService", reflection.SERVICE_NAME,
                                          "grpc.health.v1.Health"], server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    http = HttpServer(gw, metrics, loop_task, cfg.api_key or os.environ.get("TANDEM_API_KEY", ""))
+    http_port = http.bind(cfg.host, cfg.http_port)
     await server.start()
+    http_task = asyncio.ensure_future(http.serve())
+    stats_task = asyncio.ensure_future(metrics.log_periodically(cfg.stats_interval_s)) if cfg.stats_interval_s > 0 else None
     for name in ("", "tandem.v1.GenerateService"):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("gateway serving gRPC on %s:%d (K=%d)", cfg.host, port, cfg.num_speculative_tokens)
+    log.info("gateway serving gRPC on %s:%d and HTTP on http://%s:%d (model %r, K=%d)", cfg.host, port, cfg.host,
+             http_port, cfg.model_name, cfg.num_speculative_tokens)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
     await health.enter_graceful_shutdown()
+    await http.shutdown()
     await server.stop(grace=2)
-    loop_task.cancel()
+    for t in (loop_task, stats_task, http_task):
+        if t is not None:
+            t.cancel()
 
 
 def parse(argv) -> GatewayConfig:
@@ -185,10 +202,20 @@ def parse(argv) -> GatewayConfig:
     p.add_argument("--target-addr", default="127.0.0.1:50052")
     p.add_argument("--draft-addr", default="127.0.0.1:50053")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=3)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address of the gRPC and HTTP listeners")
     p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible REST API, /health, /metrics")
+    p.add_argument("--served-model-name", default="", help="the model name of the REST API (default: the "
+                   "checkpoint directory's name)")
+    p.add_argument("--api-key", default="", help="require `Authorization: Bearer KEY` on /v1/* "
+                   "(default: $TANDEM_API_KEY; none: open)")
+    p.add_argument("--otlp-endpoint", default="", help="OTLP/gRPC trace export, e.g. http://127.0.0.1:4317 "
+                   "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing)")
+    p.add_argument("--stats-interval", dest="stats_interval_s", type=float, default=10.0,
+                   help="seconds between stats log lines (0: off)")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--hidden-transport", default="auto")
     a = p.parse_args(argv)
     return GatewayConfig(**{**vars(a), "model": str(a.model or default_model())}).validate()

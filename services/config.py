@@ -31,6 +31,7 @@ class ServiceConfig:
     sequence_parallel: bool = False  # SP-MoE: rows reduce-scattered around each MoE layer
     dist_addr: str = ""              # rendezvous of the rank group (default: per role)
     rank: int = 0                    # set by rank 0 when it starts the others
+    otlp_endpoint: str = ""          # OTLP/gRPC trace export (default: OTEL_EXPORTER_OTLP_ENDPOINT; none: off)
 
     @property
     def rank_device(self) -> str:

@@ -123,6 +123,8 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
                              cfg.rank_device) if backend else None
         servicer = make_servicer(cfg, group, channel)
         try:
+            from tandem import tracing
+            tracing.setup(f"tandem-{role}", cfg.otlp_endpoint)
             grpc_server.serve(lambda s: add_servicer(servicer, s), [service_name], cfg.host, cfg.port)
         finally:
             group.close()

@@ -23,7 +23,9 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
           max_bytes: int = MAX_MESSAGE_BYTES) -> None:
     """Start a server with `register(server)`'s servicers plus health and reflection; block until
     SIGINT/SIGTERM, then mark NOT_SERVING and stop with a grace period."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_bytes))
+    from tandem import tracing
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_bytes),
+                         interceptors=tracing.server_interceptors())
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

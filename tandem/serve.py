@@ -41,6 +41,12 @@ def parse(argv):
     p.add_argument("--hidden-transport", default="auto", choices=["auto", "gloo", "nccl", "inline"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051, help="the gateway's public gRPC port")
+    p.add_argument("--http-port", type=int, default=8000, help="the gateway's REST API (OpenAI-compatible)")
+    p.add_argument("--served-model-name", default="", help="model name of the REST API (default: the "
+                   "checkpoint directory's name)")
+    p.add_argument("--api-key", default="", help="require it as a Bearer token on /v1/* (default: $TANDEM_API_KEY)")
+    p.add_argument("--otlp-endpoint", default="", help="OTLP/gRPC trace export from all three services "
+                   "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing)")
     p.add_argument("--target-port", type=int, default=50052)
     p.add_argument("--draft-port", type=int, default=50053)
     p.add_argument("--bridge-port", type=int, default=29650)
@@ -69,6 +75,8 @@ def commands(a) -> list[tuple[str, list[str], str]]:
         transport = "inline"          # one GPU: NCCL refuses two ranks on it
     common = ["--model", a.model, "--dtype", a.dtype, "--hidden-transport", transport,
               "--bridge-addr", f"127.0.0.1:{a.bridge_port}", "--num-blocks", str(a.num_blocks)]
+    if a.otlp_endpoint:
+        common += ["--otlp-endpoint", a.otlp_endpoint]
     sp = ["--sequence-parallel"] if a.sequence_parallel else []
     cmds = [("target", py + ["target", "--device", t_dev, "--grpc-port", str(a.target_port), "--tp", str(a.tp),
                              "--ep", str(a.ep), "--dist-addr", f"127.0.0.1:{a.dist_port}"] + sp + common,
@@ -81,7 +89,9 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                   "--host", a.host, "--grpc-port", str(a.grpc_port),
                                   "--target-addr", f"127.0.0.1:{a.target_port}",
                                   "--draft-addr", f"127.0.0.1:{a.draft_port}",
-                                  "--hidden-transport", transport, "--max-batch", str(a.max_batch)],
+                                  "--hidden-transport", transport, "--max-batch", str(a.max_batch),
+                                  "--http-port", str(a.http_port), "--served-model-name", a.served_model_name,
+                                  "--api-key", a.api_key, "--otlp-endpoint", a.otlp_endpoint],
                  f"{a.host}:{a.grpc_port}"))
     return cmds
 
@@ -106,6 +116,7 @@ def main(argv=None) -> int:
         print(f"tandem: serving {a.model} (K={a.num_speculative_tokens}, {a.device})", flush=True)
         for name, _, addr in commands(a):
             print(f"  {name:8s} grpc://{addr}", flush=True)
+        print(f"  {'REST':8s} http://{a.host}:{a.http_port}/v1 (OpenAI-compatible; /health, /metrics)", flush=True)
         while not stopping:
             for name, p in procs:
                 if p.poll() is not None:

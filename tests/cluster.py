@@ -5,6 +5,17 @@
         c.target.Prefill(...)                 # raw TargetService calls
         c.draft.Propose(...)                  # raw DraftService calls
 
+Parallel layouts and several services (all in one cluster, started together):
+
+    Cluster(model, targets=[{"args": ["--tp", "2", "--sequence-parallel"]}],
+            drafts=[{"args": ["--tp", "2"], "env": {"TANDEM_FAULT": "skip_sp_gather"}}])
+    Cluster(model, hidden_transport="inline", targets=[{"name": "t1"}, {"name": "t2", "args": ["--tp", "2"]}],
+            drafts=[{"name": "d1"}], gateways=[{"target": 0, "draft": 0}, {"target": 1, "draft": 0}])
+
+A service of `--tp N` is N rank processes: the cluster starts rank 0 (it starts the others, which
+log to the same file); every service gets its own free `--dist-addr`. Several targets or drafts
+need `hidden_transport="inline"` (one bridge joins exactly one target and one draft).
+
 Every process gets free ports, `--threads 1` where the flag exists, and a log file in a temporary
 directory. Start-up waits for gRPC health SERVING on each (and, when the services run a bridge,
 for the bridge to carry a frame end to end); a process that exits early or a timeout raises with
@@ -54,6 +65,7 @@ class Proc:
     addr: str
     log: Path
     popen: subprocess.Popen | None = None
+    env: dict = field(default_factory=dict)     # added to the environment (rank workers inherit it)
 
     def tail(self, n_chars: int = 6000) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else "(no log)"
@@ -70,6 +82,9 @@ class Gateway:
     k: int
     channel: grpc.Channel = field(repr=False, default=None)
     stub: generate_pb2_grpc.GenerateServiceStub = field(repr=False, default=None)
+    target: int = 0                  # index into Cluster.targets / drafts it talks to
+    draft: int = 0
+    http_url: str = ""               # its REST API, e.g. http://127.0.0.1:PORT (every gateway gets a free port)
 
 
 class ClusterError(RuntimeError):
@@ -79,19 +94,31 @@ class ClusterError(RuntimeError):
 class Cluster:
     def __init__(self, model: str | Path, k: int = 4, gateways: list[dict] | None = None,
                  hidden_transport: str = "gloo", log_dir: str | Path | None = None,
-                 startup_timeout_s: float = 240.0, extra_service_args: list[str] | None = None):
+                 startup_timeout_s: float = 240.0, extra_service_args: list[str] | None = None,
+                 targets: list[dict] | None = None, drafts: list[dict] | None = None):
         """gateways: one dict per gateway process: hidden_transport (default: the services'), k
-        (default: `k`), max_batch. `hidden_transport` is the target's and draft's own setting."""
+        (default: `k`), max_batch, target and draft (indices into `targets` / `drafts`, default 0),
+        args (extra gateway flags), env (extra environment variables).
+        `hidden_transport` is the targets' and drafts' own setting.
+        targets, drafts: one dict per service (default: one each): name (default "target" /
+        "draft", or "target{i}" / "draft{i}" when there are several), args (extra flags, e.g.
+        ["--tp", "2", "--ep", "2", "--sequence-parallel"]), env (extra environment variables)."""
         self.model, self.k = str(model), k
         self.hidden_transport = hidden_transport
         self.gateway_specs = gateways or [{}]
+        self.target_specs, self.draft_specs = targets or [{}], drafts or [{}]
+        if hidden_transport != "inline" and (len(self.target_specs) > 1 or len(self.draft_specs) > 1):
+            raise ValueError("several targets or drafts need hidden_transport='inline' (a bridge joins one pair)")
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="tandem-cluster-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout_s = startup_timeout_s
         self.extra_service_args = extra_service_args or []
         self.procs: list[Proc] = []
         self.gateways: list[Gateway] = []
         self._channels: list[grpc.Channel] = []
-        self.target: target_pb2_grpc.TargetServiceStub | None = None
+        self.targets: list[target_pb2_grpc.TargetServiceStub] = []
+        self.drafts: list[draft_pb2_grpc.DraftServiceStub] = []
+        self.target: target_pb2_grpc.TargetServiceStub | None = None     # targets[0], drafts[0]
         self.draft: draft_pb2_grpc.DraftServiceStub | None = None
 
     # --- life cycle ----------------------------------------------------------------------------
@@ -111,41 +138,53 @@ class Cluster:
         return False
 
     def _start(self) -> None:
-        n_gw = len(self.gateway_specs)
-        target_port, draft_port, bridge_port, *gw_ports = free_ports(3 + n_gw)
+        n_t, n_d, n_gw = len(self.target_specs), len(self.draft_specs), len(self.gateway_specs)
+        ports = free_ports(1 + 2 * (n_t + n_d) + 2 * n_gw)
+        bridge_port = ports.pop()
         py = [sys.executable, "-m", "tandem"]
         common = ["--model", self.model, "--threads", "1", "--hidden-transport", self.hidden_transport,
                   "--bridge-addr", f"127.0.0.1:{bridge_port}", "--num-blocks", "1024"] + self.extra_service_args
-        target = Proc("target", py + ["target", "--grpc-port", str(target_port)] + common,
-                      f"127.0.0.1:{target_port}", self.log_dir / "target.log")
-        draft = Proc("draft", py + ["draft", "--grpc-port", str(draft_port)] + common,
-                     f"127.0.0.1:{draft_port}", self.log_dir / "draft.log")
+
+        def service(role: str, i: int, n: int, spec: dict) -> Proc:
+            name = spec.get("name", role if n == 1 else f"{role}{i}")
+            port, dist_port = ports.pop(), ports.pop()
+            cmd = py + [role, "--grpc-port", str(port), "--dist-addr", f"127.0.0.1:{dist_port}"] + common
+            return Proc(name, cmd + list(spec.get("args", [])), f"127.0.0.1:{port}", self.log_dir / f"{name}.log",
+                        env=dict(spec.get("env", {})))
+        targets = [service("target", i, n_t, spec) for i, spec in enumerate(self.target_specs)]
+        drafts = [service("draft", i, n_d, spec) for i, spec in enumerate(self.draft_specs)]
         gws = []
-        for i, (spec, port) in enumerate(zip(self.gateway_specs, gw_ports)):
+        for i, spec in enumerate(self.gateway_specs):
             transport = spec.get("hidden_transport", self.hidden_transport)
-            k = spec.get("k", self.k)
-            name = f"gateway{i}-{transport}"
+            k, t, d = spec.get("k", self.k), spec.get("target", 0), spec.get("draft", 0)
+            name = spec.get("name", f"gateway{i}-{transport}")
+            port, http_port = ports.pop(), ports.pop()
             cmd = py + ["gateway", "--model", self.model, "-k", str(k), "--grpc-port", str(port),
-                        "--target-addr", target.addr, "--draft-addr", draft.addr,
+                        "--http-port", str(http_port),
+                        "--target-addr", targets[t].addr, "--draft-addr", drafts[d].addr,
                         "--hidden-transport", transport, "--max-batch", str(spec.get("max_batch", 64))]
-            gws.append((Proc(name, cmd, f"127.0.0.1:{port}", self.log_dir / f"{name}.log"), transport, k))
-        # target and draft load in parallel; the gateways wait for both themselves
-        for p in [target, draft] + [g for g, _, _ in gws]:
+            proc = Proc(name, cmd + list(spec.get("args", [])), f"127.0.0.1:{port}", self.log_dir / f"{name}.log",
+                        env=dict(spec.get("env", {})))
+            gws.append((proc, transport, k, t, d, f"http://127.0.0.1:{http_port}"))
+        # targets and drafts load in parallel; the gateways wait for both themselves
+        services = targets + drafts + [g[0] for g in gws]
+        for p in services:
             self._spawn(p)
         deadline = time.monotonic() + self.startup_timeout_s
-        for p in [target, draft] + [g for g, _, _ in gws]:
+        for p in services:
             self.wait_serving(p, deadline)
-        self.target = target_pb2_grpc.TargetServiceStub(self.channel(target.addr))
-        self.draft = draft_pb2_grpc.DraftServiceStub(self.channel(draft.addr))
-        for proc, transport, k in gws:
+        self.targets = [target_pb2_grpc.TargetServiceStub(self.channel(p.addr)) for p in targets]
+        self.drafts = [draft_pb2_grpc.DraftServiceStub(self.channel(p.addr)) for p in drafts]
+        self.target, self.draft = self.targets[0], self.drafts[0]
+        for proc, transport, k, t, d, http_url in gws:
             ch = self.channel(proc.addr)
             self.gateways.append(Gateway(proc.name, proc.addr, transport, k, ch,
-                                         generate_pb2_grpc.GenerateServiceStub(ch)))
+                                         generate_pb2_grpc.GenerateServiceStub(ch), t, d, http_url))
         if self.hidden_transport != "inline":
             self.wait_bridge(deadline)
 
     def _spawn(self, p: Proc) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **p.env}
         with open(p.log, "wb") as f:
             p.popen = subprocess.Popen(p.cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
@@ -207,16 +246,19 @@ class Cluster:
         self.draft.Release(req, timeout=10)
 
     def wait_drained(self, timeout_s: float = 30.0) -> None:
-        """Until target and draft hold no request and every KV block is free. The gateway releases
-        asynchronously after it answers, so poll GetInfo (no event to await) up to timeout_s."""
+        """Until every target and draft holds no request and every KV block is free. The gateway
+        releases asynchronously after it answers, so poll GetInfo (no event to await) up to timeout_s."""
         deadline = time.monotonic() + timeout_s
+        stubs = self.targets + self.drafts
         while True:
-            infos = [s.GetInfo(target_pb2.InfoRequest(), timeout=10) for s in (self.target, self.draft)]
+            infos = [s.GetInfo(target_pb2.InfoRequest(), timeout=10) for s in stubs]
             if all(i.running_requests == 0 and i.kv_blocks_free == i.kv_blocks_total for i in infos):
                 return
             if time.monotonic() > deadline:
-                raise AssertionError(f"state left in the services {timeout_s:.0f}s after all requests ended: "
-                                     f"target {infos[0]}, draft {infos[1]}")
+                names = [f"target{i}" for i in range(len(self.targets))] + [f"draft{i}" for i in range(len(self.drafts))]
+                left = ", ".join(f"{n} {i}" for n, i in zip(names, infos)
+                                 if i.running_requests or i.kv_blocks_free != i.kv_blocks_total)
+                raise AssertionError(f"state left in the services {timeout_s:.0f}s after all requests ended: {left}")
             time.sleep(0.2)
 
     def health(self, addr: str, service: str = "") -> int:
@@ -251,6 +293,16 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.popen.kill()
                 p.popen.wait(timeout=10)
+        for p in self.procs:                # rank workers left behind (their rank 0 was killed)
+            self._kill_session(p)
+
+    @staticmethod
+    def _kill_session(p: Proc) -> None:
+        """Each process was started in its own session (pgid = its pid); its rank workers share it."""
+        try:
+            os.killpg(p.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def serve_module(c: Cluster, request):

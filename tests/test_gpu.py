@@ -21,11 +21,11 @@ TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 @pytest.fixture(scope="module")
 def cuda_cluster(tmp_path_factory):
     model = make_checkpoint(tmp_path_factory.mktemp("gpu-ckpt"), seed=5)
-    gw, tp, dp, bp, dist = free_ports(5)
+    gw, tp, dp, bp, dist, http = free_ports(6)
     log = tmp_path_factory.mktemp("gpu-logs") / "serve.log"
     cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(model), "-k", "3", "--device", "cuda",
            "--dtype", "float32", "--grpc-port", str(gw), "--target-port", str(tp), "--draft-port", str(dp),
-           "--bridge-port", str(bp), "--dist-port", str(dist), "--num-blocks", "1024"]
+           "--bridge-port", str(bp), "--dist-port", str(dist), "--http-port", str(http), "--num-blocks", "1024"]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import torch
 
@@ -12,7 +13,7 @@ from services.bridge.rows import (ServiceError, check, check_payload, decode_inl
 from services.config import ServiceConfig
 from services.ranks import RankGroup, run_service, service_info
 from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
-from tandem import grpc_server
+from tandem import grpc_server, tracing
 from tandem.v1 import draft_pb2, draft_pb2_grpc, rows_pb2, target_pb2
 
 log = logging.getLogger("tandem.draft")
@@ -73,13 +74,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             with self.lock:
                 items = [self._item(it) for it in request.items]
                 expected = self.engine.expected_rows(items)
-                rows = self._gather_rows(request, expected)
-                results = self.group.call("propose", items, rows)
+                t0 = time.perf_counter()
+                with tracing.span("draft.transfer", rows=sum(expected.values())):
+                    rows = self._gather_rows(request, expected)
+                transfer_s = time.perf_counter() - t0
+                with tracing.span("draft.propose", requests=len(items)):
+                    results = self.group.call("propose", items, rows)
         except ServiceError as e:
             grpc_server.abort(context, e.code, str(e))
         return draft_pb2.ProposeResponse(results=[
             draft_pb2.ProposeResult(draft_token_ids=d, draft_probs=b"" if q is None else
-                                    q.float().numpy().astype("<f4").tobytes()) for d, q in results])
+                                    q.float().numpy().astype("<f4").tobytes()) for d, q in results],
+            transfer_seconds=transfer_s)
 
     def Release(self, request, context):
         with self.lock:

@@ -37,6 +37,19 @@ def new_generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
 
 
+LOGPROB_CHUNK = 256          # prompt positions scored per LM-head call (bounds the [rows, V] buffer)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[float, list[int], list[float]]]:
+    """logits [M, V], tokens [M] -> per row (fp32 log-softmax of its token, top-n ids, their logprobs)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    own = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].cpu().tolist()
+    if top_n <= 0:
+        return [(v, [], []) for v in own]
+    top = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
+    return list(zip(own, top.indices.cpu().tolist(), top.values.cpu().tolist()))
+
+
 @dataclass
 class _Request:
     pending_token: int
@@ -58,8 +71,10 @@ class TargetEngine:
                                                    f"vocab_size is {self.vocab_size}")
 
     @torch.inference_mode()
-    def prefill(self, items: list[tuple[str, list[int], Sampling]]):
-        """-> first token per item, final-norm hidden rows of every prompt position [sum T, D]."""
+    def prefill(self, items: list[tuple[str, list[int], Sampling]], logprobs: list[tuple[int | None, bool]] | None = None):
+        """-> first token per item, final-norm hidden rows of every prompt position [sum T, D].
+        logprobs: per item (top-n for the first token or None, whether to score the prompt); when
+        given, a third result: per item {"prompt": [T-1 entries], "first": entry or None}."""
         ids = [rid for rid, _, _ in items]
         if len(set(ids)) != len(ids):
             raise ServiceError("INVALID_ARGUMENT", "request ids in one Prefill must be unique")
@@ -84,16 +99,33 @@ class TargetEngine:
         lens = torch.tensor([len(p) for _, p, _ in items])
         last = hidden[lens.cumsum(0) - 1]                                       # [B, D]
         gens = [new_generator(s.seed) for _, _, s in items]
-        probs = self._probs(self.model.compute_logits(last), [s for _, _, s in items])   # [B, V]
+        last_logits = self.model.compute_logits(last)
+        probs = self._probs(last_logits, [s for _, _, s in items])                   # [B, V]
         first = self.model.ps.decide(torch.tensor([self._sample(probs[b], g) for b, g in enumerate(gens)])).tolist()
         for (rid, prompt, s), tok, g in zip(items, first, gens):
             self.requests[rid] = _Request(tok, len(prompt) + 1, s, g)
-        return first, hidden
+        if logprobs is None:
+            return first, hidden
+        out, start = [], 0
+        for b, ((_, prompt, _), (n, score)) in enumerate(zip(items, logprobs)):
+            entry = {"prompt": [], "first": None}
+            if score:                         # row j's logits score prompt token j + 1
+                for i in range(0, len(prompt) - 1, LOGPROB_CHUNK):
+                    j = min(i + LOGPROB_CHUNK, len(prompt) - 1)
+                    entry["prompt"] += token_logprobs(self.model.compute_logits(hidden[start + i: start + j]),
+                                                      prompt[i + 1: j + 1], n or 0)
+            if n is not None:
+                entry["first"] = token_logprobs(last_logits[b: b + 1], [first[b]], n)[0]
+            out.append(entry)
+            start += len(prompt)
+        return first, hidden, out
 
     @torch.inference_mode()
-    def verify(self, items: list[tuple[str, list[int], torch.Tensor | None]]):
+    def verify(self, items: list[tuple[str, list[int], torch.Tensor | None]], logprobs: list[int | None] | None = None):
         """items: (request id, draft tokens [k], draft probs [k, V] or None)
-        -> accepted [B], emitted token lists, hidden rows of the accepted positions [sum(a+1), D]."""
+        -> accepted [B], emitted token lists, hidden rows of the accepted positions [sum(a+1), D];
+        with logprobs (per item top-n or None) a fourth result: per item a list of entries, one per
+        emitted token (empty for items that asked for none)."""
         for rid, drafts, q in items:
             if rid not in self.requests:
                 raise ServiceError("FAILED_PRECONDITION", f"request {rid!r} is not running on the target "
@@ -146,7 +178,11 @@ class TargetEngine:
             out_tokens.append(toks)
             keep_rows.append(torch.arange(int(starts[b]), int(starts[b]) + a + 1))
         rows = hidden[torch.cat(keep_rows).to(hidden.device)]
-        return accepted.tolist(), out_tokens, rows
+        if logprobs is None:
+            return accepted.tolist(), out_tokens, rows
+        lps = [token_logprobs(logits[keep.to(logits.device)], toks, n) if n is not None else []
+               for keep, toks, n in zip(keep_rows, out_tokens, logprobs)]
+        return accepted.tolist(), out_tokens, rows, lps
 
     def release(self, ids: list[str]) -> int:
         n = 0

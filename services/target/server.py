@@ -13,7 +13,7 @@ from services.bridge.rows import ServiceError, describe
 from services.config import ServiceConfig
 from services.ranks import RankGroup, run_service, service_info
 from services.target.engine import Sampling, TargetEngine
-from tandem import grpc_server
+from tandem import grpc_server, tracing
 from tandem.v1 import rows_pb2, target_pb2, target_pb2_grpc
 
 log = logging.getLogger("tandem.target")
@@ -21,6 +21,11 @@ log = logging.getLogger("tandem.target")
 
 def sampling_from_pb(s: rows_pb2.SamplingParams) -> Sampling:
     return Sampling(s.temperature, s.top_p, s.top_k, s.seed if s.HasField("seed") else None)
+
+
+def logprob_pb(entry: tuple[float, list[int], list[float]]) -> target_pb2.TokenLogprob:
+    lp, ids, lps = entry
+    return target_pb2.TokenLogprob(logprob=lp, top_token_ids=ids, top_logprobs=lps)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -37,7 +42,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_INLINE)
         tid = next(self._transfer_ids)
         desc = describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_BRIDGE, tid)
-        self.channel.send(tid, rows)
+        with tracing.span("target.send_rows", rows=int(rows.shape[0]), transfer_id=tid):
+            self.channel.send(tid, rows)
         return desc
 
     def _guard(self, context, fn):
@@ -52,10 +58,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             items = [(it.request_id, list(it.prompt_token_ids), sampling_from_pb(it.sampling)) for it in request.items]
             if not items:
                 raise ServiceError("INVALID_ARGUMENT", "items is empty")
-            first, hidden = self.group.call("prefill", items)
+            want = [(it.logprobs if it.HasField("logprobs") else None, it.prompt_logprobs) for it in request.items]
+            lps = None
+            with tracing.span("target.prefill", requests=len(items), tokens=sum(len(i[1]) for i in items)):
+                if any(n is not None or p for n, p in want):
+                    first, hidden, lps = self.group.call("prefill", items, want)
+                else:
+                    first, hidden = self.group.call("prefill", items)
             rows = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
                               [len(i[1]) for i in items], hidden)
-            return target_pb2.PrefillResponse(first_token_ids=first, hidden_rows=rows)
+            resp = target_pb2.PrefillResponse(first_token_ids=first, hidden_rows=rows)
+            for e in lps or []:
+                resp.logprobs.add(prompt=[logprob_pb(x) for x in e["prompt"]],
+                                  first_token=logprob_pb(e["first"]) if e["first"] else None)
+            return resp
         return self._guard(context, run)
 
     def Verify(self, request, context):
@@ -73,8 +89,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 items.append((it.request_id, list(it.draft_token_ids), q))
             if not items:
                 raise ServiceError("INVALID_ARGUMENT", "items is empty")
-            accepted, emitted, rows = self.group.call("verify", items)
-            results = [target_pb2.VerifyResult(num_accepted=a, emitted_token_ids=t) for a, t in zip(accepted, emitted)]
+            want = [it.logprobs if it.HasField("logprobs") else None for it in request.items]
+            with tracing.span("target.verify", requests=len(items),
+                              draft_tokens=sum(len(i[1]) for i in items)) as span:
+                if any(n is not None for n in want):
+                    accepted, emitted, rows, lps = self.group.call("verify", items, want)
+                else:
+                    (accepted, emitted, rows), lps = self.group.call("verify", items), [[] for _ in items]
+                if span is not None:
+                    span.set_attribute("accepted_tokens", sum(accepted))
+            results = [target_pb2.VerifyResult(num_accepted=a, emitted_token_ids=t,
+                                               logprobs=[logprob_pb(x) for x in lp])
+                       for a, t, lp in zip(accepted, emitted, lps)]
             desc = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
                               [a + 1 for a in accepted], rows)
             return target_pb2.VerifyResponse(results=results, hidden_rows=desc)

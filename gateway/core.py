@@ -1,0 +1,126 @@
+"""What the gRPC and REST front ends share: the tokenizer, the model's limits, request validation and
+the life of one generation (submit -> events -> release), independent of the wire format."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from tokenizers import Tokenizer
+
+from gateway.scheduler import Event, GenRequest, Scheduler
+from gateway.text import TextStream
+from tandem.v1 import rows_pb2
+
+UINT64 = 1 << 64
+
+
+class RequestError(ValueError):
+    """A bad request: `param` names the field; the message says what was expected and what came."""
+
+    def __init__(self, param: str | None, message: str, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+class GenerationError(RuntimeError):
+    """A request that failed after it was accepted (a service error), with the gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Limits:
+    vocab_size: int
+    max_model_len: int
+    num_speculative_tokens: int
+    default_max_tokens: int
+    max_logprobs: int = 20
+
+
+class Gateway:
+    def __init__(self, model_dir: str, model_name: str, tokenizer: Tokenizer, scheduler: Scheduler, limits: Limits):
+        self.model_dir, self.model_name, self.tokenizer = model_dir, model_name, tokenizer
+        self.scheduler, self.limits = scheduler, limits
+        path = Path(model_dir) / "tokenizer_config.json"
+        self.tokenizer_config: dict = json.loads(path.read_text()) if path.exists() else {}
+
+    # --- tokens ----------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_str(self, tid: int) -> str:
+        return self.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise RequestError(param, "prompt: empty (give text or token ids)")
+        bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise RequestError(param, f"{param}: id {bad[0]} is out of range, vocab_size is {self.limits.vocab_size}")
+
+    @property
+    def prompt_limit(self) -> int:
+        """Prompt + max_tokens must fit this (the target's max_model_len less one round's drafts)."""
+        return self.limits.max_model_len - self.limits.num_speculative_tokens - 1
+
+    # --- requests ----------------------------------------------------------------------------------
+    def new_request(self, ids: list[int], max_tokens: int | None, *, temperature: float = 0.0, top_p: float = 0.0,
+                    top_k: int = 0, seed: int | None = None, stop: list[str] = (), ignore_eos: bool = False,
+                    k: int | None = None, logprobs: int | None = None, prompt_logprobs: bool = False,
+                    ids_param: str = "prompt", span=None) -> GenRequest:
+        """Validate and build one generation; raises RequestError naming the field."""
+        lim = self.limits
+        self.check_ids(ids, ids_param)
+        max_tokens = lim.default_max_tokens if max_tokens is None else max_tokens
+        if max_tokens < 0:
+            raise RequestError("max_tokens", f"max_tokens: must be >= 0, got {max_tokens}")
+        if len(ids) > self.prompt_limit:
+            raise RequestError(ids_param, f"prompt has {len(ids)} tokens, more than the model's limit of "
+                                          f"{self.prompt_limit} tokens (max_model_len {lim.max_model_len})")
+        if len(ids) + max_tokens > self.prompt_limit:
+            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                             f"the model's limit of {self.prompt_limit} tokens")
+        if not temperature >= 0:
+            raise RequestError("temperature", f"temperature: must be >= 0, got {temperature}")
+        if not 0 <= top_p <= 1:
+            raise RequestError("top_p", f"top_p: must be in [0, 1], got {top_p}")
+        if top_k < 0:
+            raise RequestError("top_k", f"top_k: must be >= 0 (or -1: off), got {top_k}")
+        if seed is not None and not 0 <= seed < UINT64:
+            raise RequestError("seed", f"seed: must be in [0, 2**64), got {seed}")
+        if logprobs is not None and not 0 <= logprobs <= lim.max_logprobs:
+            raise RequestError("logprobs", f"logprobs: must be in [0, {lim.max_logprobs}], got {logprobs}")
+        if k is None:
+            k = lim.num_speculative_tokens
+        elif not 0 <= k <= lim.num_speculative_tokens:
+            raise RequestError("num_speculative_tokens", f"num_speculative_tokens: at most "
+                               f"{lim.num_speculative_tokens} on this gateway, got {k}")
+        sampling = rows_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        if seed is not None:
+            sampling.seed = seed
+        return GenRequest(id=self.scheduler.new_id(), prompt_ids=list(ids), max_tokens=max_tokens, sampling=sampling,
+                          text=TextStream(self.tokenizer, list(stop)), ignore_eos=ignore_eos,
+                          k=k if max_tokens > 0 else 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          span=span)
+
+    async def events(self, r: GenRequest):
+        """Submit r and yield its events until it finishes; raises GenerationError on a service
+        error. Leaving early (client gone) cancels r and frees its state in both services."""
+        self.scheduler.submit(r)
+        try:
+            while True:
+                ev: Event = await r.events.get()
+                if ev.error:
+                    raise GenerationError(*ev.error)
+                yield ev
+                if ev.finish_reason:
+                    return
+        finally:
+            self.scheduler.cancel(r)

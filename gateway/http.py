@@ -1,0 +1,246 @@
+"""The gateway's REST API: OpenAI-compatible completions and chat (vLLM's extensions: top_k, seed,
+ignore_eos, return_token_ids, /tokenize, /detokenize, /tokenizer_info), /v1/models, /health and
+/metrics. FastAPI on uvicorn, in the gateway's own event loop beside its gRPC server.
+
+Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}; 400 for bad values
+(naming the field), 401 without the API key on /v1/*, 404 for an unknown model, 503 when a service
+fails, 500 for a bug.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import secrets
+import socket
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from gateway import openai_api as api
+from gateway.core import UINT64, GenerationError, Gateway, RequestError
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.responses import Choice, CompletionShaper
+from tandem import tracing
+
+log = logging.getLogger("tandem.gateway")
+
+
+def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(api.error_body(message, status, param, code), status_code=status)
+
+
+def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | None, api_key: str) -> FastAPI:
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None, **fastapi_telemetry())
+    template = api.chat_template(gw.tokenizer_config)
+    special = {k: gw.tokenizer_config.get(k) or "" for k in ("bos_token", "eos_token", "pad_token")}
+    eos_ids = sorted(gw.scheduler.eos)
+    if not special["eos_token"] and eos_ids:
+        special["eos_token"] = gw.tokenizer.id_to_token(eos_ids[0]) or ""
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error(401, "missing or wrong API key: send `Authorization: Bearer <key>`")
+        return await call_next(request)
+
+    @app.exception_handler(RequestError)
+    async def bad_request(request: Request, e: RequestError):
+        return error(e.status, str(e), e.param, e.code)
+
+    @app.exception_handler(GenerationError)
+    async def failed(request: Request, e: GenerationError):
+        return error(api.GRPC_TO_HTTP.get(e.code.name, 500), str(e), code=e.code.name.lower())
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, e: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error(500, f"internal error: {type(e).__name__}: {e}")
+
+    async def body(request: Request, cls):
+        raw = await request.body()
+        try:
+            data = json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(None, f"the request body is not valid JSON: {e}") from None
+        return api.parse(cls, data)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in (gw.model_name, gw.model_dir):
+            raise RequestError("model", f"The model `{name}` does not exist; this server serves "
+                                        f"`{gw.model_name}`.", status=404, code="model_not_found")
+
+    def start(requests_args: list[dict], req: api._Sampling, operation: str, request: Request):
+        """Validate every choice's request before any runs -> (GenRequests, span)."""
+        span = tracing.start_request_span(
+            f"{operation} {gw.model_name}", tracing.incoming(request.headers),
+            **{"gen_ai.operation.name": operation, "gen_ai.request.model": gw.model_name,
+               "gen_ai.request.max_tokens": requests_args[0]["max_tokens"],
+               "gen_ai.request.temperature": requests_args[0]["temperature"],
+               "gen_ai.request.top_p": requests_args[0]["top_p"], "gen_ai.request.top_k": requests_args[0]["top_k"],
+               "gen_ai.request.seed": req.seed, "gen_ai.request.choice.count": req.n})
+        try:
+            return [gw.new_request(span=span, **a) for a in requests_args], span
+        except BaseException:
+            tracing.finish(span)
+            raise
+
+    def expand(prompts, req, common: dict) -> list[dict]:
+        """One new_request argument set per (prompt, choice); choice j of a seeded request uses seed + j."""
+        return [dict(common, ids=ids, seed=None if req.seed is None else (req.seed + j) % UINT64)
+                for ids, _ in prompts for j in range(req.n)]
+
+    async def respond(shaper: CompletionShaper, span, stream: bool):
+        if stream:
+            return StreamingResponse(shaper.sse(span), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            return JSONResponse(await shaper.collect())
+        finally:
+            shaper.finish_span(span)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await body(request, api.CompletionRequest)
+        check_model(req.model)
+        prompts = api.completion_prompts(req, gw.encode)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        if max_tokens == 0 and not req.echo:
+            raise RequestError("max_tokens", "max_tokens: must be >= 1 (0 only with echo, to score the prompt)")
+        common = dict(api.sampling_args(req, max_tokens), logprobs=req.logprobs,
+                      prompt_logprobs=req.echo and req.logprobs is not None)
+        reqs, span = start(expand(prompts, req, common), req, "text_completion", request)
+        choices = [Choice(i, r, prompts[i // req.n][1]) for i, r in enumerate(reqs)]
+        shaper = CompletionShaper(gw, choices, req, chat=False, num_prompts=len(prompts))
+        return await respond(shaper, span, req.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await body(request, api.ChatRequest)
+        check_model(req.model)
+        text = api.render_chat(template, req.messages, req.add_generation_prompt, special, req.chat_template_kwargs)
+        ids = gw.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise RequestError("max_tokens", f"max_tokens: must be >= 1, got {max_tokens}")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise RequestError("top_logprobs", "top_logprobs: needs logprobs: true")
+        common = dict(api.sampling_args(req, max_tokens),
+                      logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        reqs, span = start(expand([(ids, text)], req, common), req, "chat", request)
+        shaper = CompletionShaper(gw, [Choice(i, r, text) for i, r in enumerate(reqs)], req, chat=True,
+                                  num_prompts=1)
+        return await respond(shaper, span, req.stream)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": gw.model_name, "object": "model", "created": int(time.time()), "owned_by": "tandem",
+            "root": gw.model_dir, "parent": None, "max_model_len": gw.limits.max_model_len}]}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        cfg = {k: v for k, v in gw.tokenizer_config.items() if k != "added_tokens_decoder"}
+        return {**cfg, **{k: v for k, v in special.items() if v}, "chat_template": template,
+                "model_max_length": gw.limits.max_model_len, "vocab_size": gw.limits.vocab_size,
+                "tokenizer_class": cfg.get("tokenizer_class", "PreTrainedTokenizerFast")}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await body(request, api.TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise RequestError("prompt", "give exactly one of prompt or messages")
+        if req.messages is not None:
+            text = api.render_chat(template, req.messages, req.add_generation_prompt, special)
+            ids = gw.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            ids = gw.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        return {"count": len(ids), "max_model_len": gw.limits.max_model_len, "tokens": ids,
+                "token_strs": [gw.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await body(request, api.DetokenizeRequest)
+        bad = [t for t in req.tokens if not 0 <= t < gw.limits.vocab_size]
+        if bad:
+            raise RequestError("tokens", f"tokens: id {bad[0]} is out of range, vocab_size is {gw.limits.vocab_size}")
+        return {"prompt": gw.decode(req.tokens)}
+
+    @app.get("/health")
+    async def health():
+        reasons = []
+        if loop_task is not None and loop_task.done():
+            reasons.append("the gateway's scheduler loop has stopped")
+        info = await metrics.poll()
+        if isinstance(info.get("target"), str):
+            reasons.append(f"target unreachable ({info['target']})")
+        body = {"status": "unavailable" if reasons else "ok", "model": gw.model_name}
+        if isinstance(info.get("draft"), str):      # the gateway decodes without drafts meanwhile
+            body["draft"] = f"unreachable ({info['draft']}); serving without speculation"
+            body["status"] = body["status"] if reasons else "degraded"
+        if reasons:
+            body["reason"] = "; ".join(reasons)
+        return JSONResponse(body, status_code=503 if reasons else 200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(await metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/ping")
+    async def ping():
+        return PlainTextResponse("pong")
+
+    return app
+
+
+def fastapi_telemetry() -> dict:
+    """FastAPI versions with built-in OpenTelemetry: keep its HTTP server span (the parent of a
+    request's span) on the provider tandem.tracing set up; no exporters of its own, no metrics
+    (Prometheus has them), no per-dependency spans."""
+    if "telemetry" not in inspect.signature(FastAPI).parameters:
+        return {}
+    return {"telemetry": {"tracing": True, "metrics": False, "logs": False, "operation_spans": False,
+                          "auto_configure": False}}
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):          # the gateway owns SIGINT/SIGTERM
+        yield
+
+
+class HttpServer:
+    """uvicorn serving the app on a socket bound up front (a busy port fails at start, by name)."""
+
+    def __init__(self, gw: Gateway, metrics: GatewayMetrics, loop_task, api_key: str):
+        self.app = build_app(gw, metrics, loop_task, api_key)
+        self.server = _Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off"))
+        self.sock: socket.socket | None = None
+
+    def bind(self, host: str, port: int) -> int:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            sock.close()
+            raise SystemExit(f"gateway: cannot bind the HTTP port {host}:{port} ({e.strerror}); "
+                             "choose another with --http-port") from None
+        sock.listen(2048)
+        sock.setblocking(False)
+        self.sock = sock
+        return sock.getsockname()[1]
+
+    async def serve(self) -> None:
+        await self.server.serve(sockets=[self.sock])
+
+    async def shutdown(self) -> None:
+        self.server.should_exit = True
+        await asyncio.sleep(0)

@@ -1,0 +1,164 @@
+"""Prometheus metrics of the gateway (vLLM-style names, `tandem:` prefix) and the periodic stats log.
+
+Speculative decoding counters follow vLLM's definitions: acceptance rate = accepted / draft tokens,
+mean acceptance length = 1 + accepted / drafts (the bonus token counted, at most K + 1),
+per-position acceptance = accepted_per_pos[i] / drafts. They, the running/waiting gauges and the
+KV-cache block gauges (GetInfo of target and draft, polled on each scrape and each log tick) are
+read when scraped; latencies are histograms observed as tokens are committed.
+
+inter_token_latency: a round commits several tokens at once; its time since the request's
+previous commit is spread evenly over them (dt / n, observed n times), as a client sees it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from gateway.scheduler import GenRequest, Observer, SpecStats
+from tandem.v1 import target_pb2
+
+log = logging.getLogger("tandem.gateway")
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0, 160.0)
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class GatewayMetrics(Observer):
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.scheduler = None
+        self.services: dict[str, object] = {}               # "target" | "draft" -> stub with GetInfo
+        self.info: dict[str, target_pb2.InfoResponse | str] = {}   # last GetInfo, or the error
+        lab = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token", lab,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem:inter_token_latency_seconds", "Inter-token latency", lab,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "End-to-end request latency", lab,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.phases = Histogram("tandem:round_phase_seconds", "Duration of a round phase "
+                                "(prefill | propose | transfer | verify), per batch", lab + ["phase"],
+                                buckets=PHASE_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens processed", lab, registry=r)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated", lab, registry=r)
+        self.success = Counter("tandem:request_success", "Requests finished", lab + ["finished_reason"], registry=r)
+        self.registry.register(_Collector(self))
+        self._last = SpecStats()
+
+    def attach(self, scheduler, services: dict) -> None:
+        self.scheduler, self.services = scheduler, services
+
+    # --- Observer hooks (called by the scheduler) --------------------------------------------------
+    def phase(self, name: str, seconds: float) -> None:
+        self.phases.labels(self.model_name, name).observe(max(0.0, seconds))
+
+    def tokens(self, r: GenRequest, n: int, now: float) -> None:
+        if r.first_token_time is None:
+            self.ttft.labels(self.model_name).observe(now - r.arrival)
+            self.prompt_tokens.labels(self.model_name).inc(len(r.prompt_ids))
+        elif n:
+            child = self.itl.labels(self.model_name)
+            for _ in range(n):
+                child.observe((now - r.last_token_time) / n)
+        self.generation_tokens.labels(self.model_name).inc(n)
+
+    def finished(self, r: GenRequest, reason: str | None, now: float) -> None:
+        if reason:
+            self.e2e.labels(self.model_name).observe(now - r.arrival)
+            self.success.labels(self.model_name, reason).inc()
+
+    # --- services ---------------------------------------------------------------------------------
+    async def poll(self) -> dict:
+        """GetInfo of every service (2 s each, concurrently) -> name -> InfoResponse or error text."""
+        async def one(name, stub):
+            try:
+                return name, await stub.GetInfo(target_pb2.InfoRequest(), timeout=2)
+            except grpc.aio.AioRpcError as e:
+                return name, f"{e.code().name}: {e.details()}"
+        self.info = dict(await asyncio.gather(*(one(n, s) for n, s in self.services.items())))
+        return self.info
+
+    async def render(self) -> bytes:
+        await self.poll()
+        return generate_latest(self.registry)
+
+    # --- periodic log ------------------------------------------------------------------------------
+    def stats_line(self) -> str | None:
+        """Spec-decode stats since the last call (None when nothing happened)."""
+        s = self.scheduler
+        cur, last = s.stats, self._last
+        drafts = cur.num_drafts - last.num_drafts
+        running, waiting = len(s.running), len(s.waiting)
+        if not drafts and not running and not waiting:
+            return None
+        accepted = cur.num_accepted_tokens - last.num_accepted_tokens
+        tokens = cur.num_draft_tokens - last.num_draft_tokens
+        per_pos = [a - (last.accepted_per_position[i] if i < len(last.accepted_per_position) else 0)
+                   for i, a in enumerate(cur.accepted_per_position)]
+        self._last = SpecStats(cur.num_drafts, cur.num_draft_tokens, cur.num_accepted_tokens,
+                               list(cur.accepted_per_position))
+        kv = " ".join(f"{n} KV blocks free {i.kv_blocks_free}/{i.kv_blocks_total};" for n, i in self.info.items()
+                      if not isinstance(i, str))
+        spec = (f"mean acceptance length {1 + accepted / drafts:.2f}, acceptance rate {accepted / tokens:.2f}, "
+                f"per-position acceptance [{', '.join(f'{a / drafts:.2f}' for a in per_pos)}], "
+                f"drafts {drafts}, draft tokens {tokens}, accepted {accepted}" if drafts else "no drafts")
+        return f"running {running}, waiting {waiting}; {kv} spec decode: {spec}"
+
+    async def log_periodically(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.poll()
+                line = self.stats_line()
+            except Exception:                               # stats must never stop the gateway
+                log.exception("stats log failed")
+                continue
+            if line:
+                log.info("stats (last %.0fs): %s", interval_s, line)
+
+
+class _Collector:
+    """Values read from the scheduler and the last GetInfo poll at scrape time."""
+
+    def __init__(self, m: GatewayMetrics):
+        self.m = m
+
+    def collect(self):
+        m, lab = self.m, [self.m.model_name]
+        s = m.scheduler
+        if s is None:
+            return
+        st = s.stats
+        for name, doc, v in (
+                ("spec_decode_num_drafts", "Rounds that proposed >= 1 draft token", st.num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed", st.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted", st.num_accepted_tokens)):
+            c = CounterMetricFamily(f"tandem:{name}", doc, labels=["model_name"])
+            c.add_metric(lab, v)
+            yield c
+        c = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted at each draft position", labels=["model_name", "position"])
+        for i, v in enumerate(st.accepted_per_position):
+            c.add_metric(lab + [str(i)], v)
+        yield c
+        for name, doc, v in (("num_requests_running", "Requests in the running batch", len(s.running)),
+                             ("num_requests_waiting", "Requests waiting for a Prefill", len(s.waiting))):
+            g = GaugeMetricFamily(f"tandem:{name}", doc, labels=["model_name"])
+            g.add_metric(lab, v)
+            yield g
+        used = GaugeMetricFamily("tandem:kv_cache_blocks_used", "KV cache blocks in use", labels=["model_name", "service"])
+        free = GaugeMetricFamily("tandem:kv_cache_blocks_free", "KV cache blocks free", labels=["model_name", "service"])
+        up = GaugeMetricFamily("tandem:service_up", "1 when the service answered GetInfo", labels=["model_name", "service"])
+        for name, info in m.info.items():
+            up.add_metric(lab + [name], 0 if isinstance(info, str) else 1)
+            if not isinstance(info, str):
+                used.add_metric(lab + [name], info.kv_blocks_total - info.kv_blocks_free)
+                free.add_metric(lab + [name], info.kv_blocks_free)
+        yield from (used, free, up)

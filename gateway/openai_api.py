@@ -1,0 +1,213 @@
+"""OpenAI / vLLM request models and response shaping for the REST API (gateway/http.py serves them).
+
+Unknown fields are kept and ignored (`extra="allow"`). Defaults follow OpenAI: completions
+max_tokens 16, temperature 1, top_p 1; chat max_tokens the gateway's --default-max-tokens.
+
+Chat prompts: the checkpoint's `chat_template` from tokenizer_config.json, rendered with jinja2 as
+transformers does (sandboxed, trim_blocks, lstrip_blocks, `raise_exception`, `tojson`), else
+DEFAULT_CHAT_TEMPLATE: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n".
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from gateway.core import RequestError
+
+DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+GRPC_TO_HTTP = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND": 404,
+                "RESOURCE_EXHAUSTED": 503, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Model):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    num_speculative_tokens: int | None = None      # Tandem: draft tokens per round (<= the gateway's K)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ChatMessage(_Model):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Model):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Model):
+    tokens: list[int]
+
+
+def parse(cls, body: Any):
+    """JSON body -> cls; RequestError naming the first bad field."""
+    if not isinstance(body, dict):
+        raise RequestError(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("str", "list[", "dict[", "int")))
+        field = field or str(err["loc"][0])
+        raise RequestError(field, f"{field}: {err['msg']} (got {json.dumps(err.get('input'), default=str)[:80]})")
+
+
+def sampling_args(req: _Sampling, max_tokens: int | None) -> dict:
+    """Common keyword arguments of Gateway.new_request, with OpenAI's defaults."""
+    if req.n < 1:
+        raise RequestError("n", f"n: must be >= 1, got {req.n}")
+    if req.n > 16:
+        raise RequestError("n", f"n: at most 16, got {req.n}")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > 16:
+        raise RequestError("stop", f"stop: at most 16 strings, got {len(stop)}")
+    top_k = req.top_k if req.top_k is not None else 0
+    if top_k == -1:
+        top_k = 0
+    return dict(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, stop=stop,
+                ignore_eos=req.ignore_eos, k=req.num_speculative_tokens)
+
+
+def completion_prompts(req: CompletionRequest, encode) -> list[tuple[list[int], str | None]]:
+    """prompt: a string, token ids, or a list of either -> [(token ids, text or None)]."""
+    p = req.prompt
+    items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not items:
+        raise RequestError("prompt", "prompt: empty (give text or token ids)")
+    out = []
+    for x in items:
+        if isinstance(x, str):
+            if not x:
+                raise RequestError("prompt", "prompt: empty string")
+            out.append((encode(x), x))
+        else:
+            out.append((list(x), None))
+    return out
+
+
+# --- chat ------------------------------------------------------------------------------------------
+def chat_template(tokenizer_config: dict) -> str:
+    t = tokenizer_config.get("chat_template")
+    if isinstance(t, list):           # [{"name": ..., "template": ...}]
+        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        t = named.get("default") or next(iter(named.values()), None)
+    return t or DEFAULT_CHAT_TEMPLATE
+
+
+def _raise(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def render_chat(template: str, messages: list[ChatMessage], add_generation_prompt: bool, special: dict,
+                kwargs: dict | None = None) -> str:
+    msgs = []
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise RequestError(f"messages.{i}.role", f"messages.{i}.role: must be one of {list(ROLES)}, got {m.role!r}")
+        content = m.content
+        if isinstance(content, list):
+            bad = [p.get("type") for p in content if p.get("type") != "text"]
+            if bad:
+                raise RequestError(f"messages.{i}.content", f"messages.{i}.content: only text parts are "
+                                   f"supported, got type {bad[0]!r}")
+            content = "".join(str(p.get("text", "")) for p in content)
+        msgs.append({**m.model_dump(exclude_none=True), "role": m.role, "content": content or ""})
+    if not msgs:
+        raise RequestError("messages", "messages: empty (give at least one message)")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                                ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = _raise
+    try:
+        return env.from_string(template).render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                                **special, **(kwargs or {}))
+    except jinja2.exceptions.TemplateError as e:
+        raise RequestError("messages", f"messages: the chat template failed: {e}") from None
+
+
+# --- logprobs --------------------------------------------------------------------------------------
+def _top(entry, token_str) -> list[tuple[str, float]]:
+    return [(token_str(t), lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)]
+
+
+def completion_logprobs(token_ids: list[int], entries: list, token_str, offset: int = 0) -> dict:
+    """Legacy completions logprobs. entries[i]: TokenLogprob of token_ids[i], or None (the first
+    prompt token has no logprob). top_logprobs always holds the token itself, as OpenAI's does."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, e in zip(token_ids, entries):
+        s = token_str(tid)
+        out["tokens"].append(s)
+        out["text_offset"].append(offset)
+        offset += len(s)
+        if e is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(e.logprob)
+        top = dict(_top(e, token_str))
+        top.setdefault(s, e.logprob)
+        out["top_logprobs"].append(top)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], entries: list, token_str) -> list[dict]:
+    def item(s, lp):
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+    return [{**item(token_str(t), e.logprob), "top_logprobs": [item(s, lp) for s, lp in _top(e, token_str)]}
+            for t, e in zip(token_ids, entries)]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 401:
+        code = code or "invalid_api_key"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,178 @@
+"""Completion and chat responses, whole or as server-sent events, from the scheduler's events.
+
+One Choice per (prompt, n) pair, all running concurrently. Streams send `data: {json}` events and
+end with `data: [DONE]`; with stream_options.include_usage the last event before it has
+`choices: []` and the usage. A service failure mid-stream is sent as `data: {"error": ...}`.
+
+Completions logprobs with echo start with the prompt's tokens (the first has none). When EOS
+ended a completion, its logprob is the last entry (as vLLM reports it), though neither its text
+nor its id is part of the completion: lm-eval's loglikelihood (echo, logprobs, max_tokens 1)
+drops exactly one generated entry.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from gateway import openai_api as api
+from gateway.core import GenerationError, Gateway
+from gateway.scheduler import Event, GenRequest
+from tandem import tracing
+
+
+@dataclass
+class Choice:
+    index: int
+    r: GenRequest
+    prompt_text: str | None                  # None: the prompt came as token ids
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish: str | None = None
+    started: bool = False                    # streaming: first chunk sent
+    offset: int = 0                          # streaming: text_offset of the next token
+
+
+class CompletionShaper:
+    def __init__(self, gw: Gateway, choices: list[Choice], req, chat: bool, num_prompts: int):
+        self.gw, self.choices, self.chat = gw, choices, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.echo = not chat and req.echo
+        self.want_lp = bool(req.logprobs) if chat else req.logprobs is not None
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.return_ids = req.return_token_ids
+        self.n, self.num_prompts = req.n, num_prompts
+
+    # --- pieces -----------------------------------------------------------------------------------
+    def _prompt_text(self, c: Choice) -> str:
+        return c.prompt_text if c.prompt_text is not None else self.gw.decode(c.r.prompt_ids)
+
+    def _logprobs(self, c: Choice, ids: list[int], entries: list, first: bool, last: bool):
+        """Logprobs of one chunk (or the whole choice): prompt part when echoing on the first, EOS on the last."""
+        if not self.want_lp:
+            return None
+        if last and not self.chat and c.r.eos is not None and c.r.eos[1] is not None:
+            ids, entries = ids + [c.r.eos[0]], entries + [c.r.eos[1]]
+        if self.chat:
+            return {"content": api.chat_logprobs(ids, entries, self.gw.token_str)}
+        if first and self.echo:
+            ids, entries = list(c.r.prompt_ids) + ids, [None] + list(c.r.prompt_lps) + entries
+        out = api.completion_logprobs(ids, entries, self.gw.token_str, c.offset)
+        c.offset = out["text_offset"][-1] + len(out["tokens"][-1]) if out["tokens"] else c.offset
+        return out
+
+    def usage(self) -> dict:
+        prompts = sum(len(self.choices[p * self.n].r.prompt_ids) for p in range(self.num_prompts))
+        return api.usage(prompts, sum(len(c.r.output_ids) for c in self.choices))
+
+    def finish_span(self, span) -> None:
+        u = self.usage()
+        tracing.finish(span, **{"gen_ai.usage.input_tokens": u["prompt_tokens"],
+                                "gen_ai.usage.output_tokens": u["completion_tokens"], "gen_ai.response.id": self.id,
+                                "gen_ai.response.finish_reasons": [c.finish or "error" for c in self.choices],
+                                "tandem.spec.num_drafts": sum(c.r.stats.num_drafts for c in self.choices),
+                                "tandem.spec.num_accepted_tokens": sum(c.r.stats.num_accepted_tokens
+                                                                        for c in self.choices)})
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.gw.model_name,
+                "choices": choices}
+
+    # --- whole response ---------------------------------------------------------------------------
+    async def _drain(self, c: Choice) -> None:
+        async for ev in self.gw.events(c.r):
+            c.text.append(ev.text)
+            c.token_ids += ev.token_ids
+            c.logprobs += ev.logprobs
+            c.finish = ev.finish_reason or c.finish
+
+    async def collect(self) -> dict:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for c in self.choices:
+                    tg.create_task(self._drain(c))
+        except* GenerationError as eg:
+            raise eg.exceptions[0] from None
+        out = []
+        for c in self.choices:
+            text = "".join(c.text)
+            lp = self._logprobs(c, c.token_ids, c.logprobs, first=True, last=True)
+            if self.chat:
+                d = {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                     "finish_reason": c.finish, "stop_reason": None}
+            else:
+                d = {"index": c.index, "text": (self._prompt_text(c) if self.echo else "") + text, "logprobs": lp,
+                     "finish_reason": c.finish, "stop_reason": None}
+                if self.return_ids:
+                    d["prompt_token_ids"] = list(c.r.prompt_ids)
+            if self.return_ids:
+                d["token_ids"] = list(c.token_ids)
+            out.append(d)
+        resp = {**self._envelope(out, chunk=False), "usage": self.usage()}
+        if self.chat and self.return_ids:
+            resp["prompt_token_ids"] = list(self.choices[0].r.prompt_ids)
+        return resp
+
+    # --- stream -----------------------------------------------------------------------------------
+    def _chunk(self, c: Choice, ev: Event) -> dict | None:
+        first, c.started = not c.started, True
+        if not (ev.text or ev.token_ids or ev.finish_reason or (first and self.echo)):
+            return None
+        lp = self._logprobs(c, list(ev.token_ids), list(ev.logprobs), first, last=bool(ev.finish_reason))
+        if self.chat:
+            d = {"index": c.index, "delta": {"content": ev.text} if ev.text else {}, "logprobs": lp,
+                 "finish_reason": ev.finish_reason}
+        else:
+            d = {"index": c.index, "text": (self._prompt_text(c) if first and self.echo else "") + ev.text,
+                 "logprobs": lp, "finish_reason": ev.finish_reason}
+            if self.return_ids and first:
+                d["prompt_token_ids"] = list(c.r.prompt_ids)
+        if self.return_ids:
+            d["token_ids"] = list(ev.token_ids)
+        c.finish = ev.finish_reason or c.finish
+        return d
+
+    def _data(self, choices: list[dict]) -> str:
+        obj = self._envelope(choices, chunk=True)
+        if self.include_usage:
+            obj["usage"] = None
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def sse(self, span):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice):
+            try:
+                async for ev in self.gw.events(c.r):
+                    queue.put_nowait((c, ev, None))
+            except GenerationError as e:
+                queue.put_nowait((c, None, e))
+        tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
+        try:
+            if self.chat:
+                yield self._data([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None} for c in self.choices])
+            done = 0
+            while done < len(self.choices):
+                c, ev, err = await queue.get()
+                if err is not None:
+                    status = api.GRPC_TO_HTTP.get(err.code.name, 500)
+                    yield f"data: {json.dumps(api.error_body(str(err), status, code=err.code.name.lower()))}\n\n"
+                    break
+                d = self._chunk(c, ev)
+                if d is not None:
+                    yield self._data([d])
+                done += bool(ev.finish_reason)
+            else:
+                if self.include_usage:
+                    yield f"data: {json.dumps({**self._envelope([], chunk=True), 'usage': self.usage()})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.finish_span(span)

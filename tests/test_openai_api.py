@@ -1,0 +1,180 @@
+"""The REST API through the official `openai` client (and plain HTTP for vLLM's extensions) against
+the shared local cluster (api_cluster.py): completions, chat, both streaming, n > 1, logprobs
+checked against the model computed in this process, and the tokenizer endpoints."""
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+
+from models.loader import load_model
+from models.model import TargetModel
+from models.runner import forward_tokens, new_cache
+from tandem.v1 import generate_pb2 as gen
+
+pytestmark = pytest.mark.slow
+PROMPT = "def fibonacci(n):\n"
+CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "a stack class"}]
+
+
+@pytest.fixture(scope="module")
+def client(api_cluster) -> OpenAI:
+    return OpenAI(base_url=api_cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(api_cluster):
+    with httpx.Client(base_url=api_cluster.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ref_model(api_cluster):
+    torch.set_num_threads(1)
+    return load_model(TargetModel, api_cluster.ckpt)
+
+
+def ref_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """[T, V] fp32 log-softmax of the target logits at every position of ids."""
+    with torch.inference_mode():
+        hidden = forward_tokens(model, new_cache(model), {"r": ids})
+        return torch.log_softmax(model.compute_logits(hidden).float(), -1)
+
+
+def test_models_and_tokenizer(api_cluster, client, http):
+    assert [m.id for m in client.models.list().data] == [api_cluster.model_name]
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == "</s>" and info["chat_template"] and info["model_max_length"] > 0
+    tok = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == info["model_max_length"]
+    assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": PROMPT}
+    eos = http.post("/tokenize", json={"prompt": "</s>", "add_special_tokens": False}).json()["tokens"]
+    assert eos == [2], "lm-eval finds the EOS id by tokenizing eos_token"
+    chat = http.post("/tokenize", json={"messages": CHAT}).json()
+    assert http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"].endswith("<|assistant|>\n")
+
+
+def test_completion_equals_grpc_and_plain_decoding(api_cluster, client):
+    """Greedy REST output == the gRPC API's == plain target decoding (speculation off)."""
+    r = client.completions.create(model=api_cluster.model_name, prompt=PROMPT, max_tokens=24, temperature=0,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    c = r.choices[0]
+    assert c.finish_reason == "length" and r.usage.completion_tokens == 24
+    assert r.usage.prompt_tokens == len(c.prompt_token_ids) and r.usage.total_tokens == r.usage.prompt_tokens + 24
+    g = api_cluster.cluster.gateways[0].stub.Generate(gen.GenerateRequest(
+        text=PROMPT, max_tokens=24, ignore_eos=True, num_speculative_tokens=0), timeout=120)
+    assert c.token_ids == list(g.token_ids) and c.text == g.text
+    plain = client.completions.create(model=api_cluster.model_name, prompt=c.prompt_token_ids, max_tokens=24,
+                                      temperature=0, extra_body={"num_speculative_tokens": 0, "ignore_eos": True})
+    assert plain.choices[0].text == c.text
+
+
+def test_completion_stream(api_cluster, client):
+    whole = client.completions.create(model=api_cluster.model_name, prompt=PROMPT, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=api_cluster.model_name, prompt=PROMPT, max_tokens=20,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_chat_and_stream(api_cluster, client):
+    whole = client.chat.completions.create(model=api_cluster.model_name, messages=CHAT, max_tokens=16, temperature=0)
+    msg = whole.choices[0].message
+    assert msg.role == "assistant" and whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.object == "chat.completion" and whole.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(model=api_cluster.model_name, messages=CHAT, max_tokens=16,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == msg.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_n_choices(api_cluster, client):
+    """n > 1: indices 0..n-1 per prompt, prompt-major; a seed makes the choices reproducible."""
+    kw = dict(model=api_cluster.model_name, max_tokens=12, temperature=1.0, seed=5, n=3)
+    a = client.completions.create(prompt=PROMPT, **kw)
+    b = client.completions.create(prompt=PROMPT, **kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1, "seeded choices should differ from each other"
+    two = client.completions.create(prompt=[PROMPT, "import os\n"], **{**kw, "n": 2})
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert two.choices[0].text == a.choices[0].text and two.choices[1].text == a.choices[1].text
+    chat = client.chat.completions.create(model=api_cluster.model_name, messages=CHAT, max_tokens=8, n=2,
+                                          temperature=1.0, seed=1, stream=True)
+    seen = {}
+    for ch in chat:
+        for c in ch.choices:
+            seen.setdefault(c.index, []).append(c.finish_reason)
+    assert sorted(seen) == [0, 1] and all(r[-1] in ("stop", "length") for r in seen.values())
+
+
+def test_echo_logprobs_match_reference(api_cluster, client, ref_model):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1) scores the prompt with the
+    target's fp32 log-softmax: compare with the model run in this process."""
+    ids = client.completions.create(model=api_cluster.model_name, prompt=PROMPT, max_tokens=1,
+                                    extra_body={"return_token_ids": True}).choices[0].prompt_token_ids
+    r = client.completions.create(model=api_cluster.model_name, prompt=[ids], max_tokens=1, temperature=0,
+                                  echo=True, logprobs=2, extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    lp = c.logprobs
+    assert c.text.startswith(PROMPT) and len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+    ref = ref_logprobs(ref_model, ids + c.token_ids)
+    want = [ref[j - 1, t].item() for j, t in enumerate(ids + c.token_ids) if j > 0]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    last = lp.top_logprobs[-1]          # greedy: the generated token is the top-1 alternative
+    assert max(last.values()) == pytest.approx(lp.token_logprobs[-1], abs=1e-6)
+    top2 = ref[len(ids) - 1].topk(2).values.tolist()
+    assert sorted(last.values(), reverse=True)[:2] == pytest.approx(top2, abs=1e-4)
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    score = client.completions.create(model=api_cluster.model_name, prompt=[ids], max_tokens=0, echo=True,
+                                      logprobs=0)
+    assert score.choices[0].text == PROMPT and score.usage.completion_tokens == 0
+    assert score.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want[:-1], abs=1e-4)
+
+
+def test_generated_logprobs_stream_and_chat(api_cluster, client):
+    kw = dict(model=api_cluster.model_name, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    streamed = [lp for ch in client.completions.create(stream=True, **kw) for lp in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(whole.token_logprobs, abs=1e-6) and len(whole.tokens) >= 1
+    chat = client.chat.completions.create(model=api_cluster.model_name, messages=CHAT, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob)
+                           for t in content)
+
+
+def test_stop_and_finish_reasons(api_cluster, client):
+    base = client.completions.create(model=api_cluster.model_name, prompt=PROMPT, max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[8:11]
+    r = client.completions.create(model=api_cluster.model_name, prompt=PROMPT, max_tokens=30, temperature=0,
+                                  stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert r.finish_reason == "stop" and r.text == base[:base.index(stop)]
+
+
+def test_stream_disconnect_releases_state(api_cluster, http):
+    """A client that goes away mid-stream: its requests are cancelled and both services free them."""
+    body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True, "n": 2}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    api_cluster.cluster.wait_drained(timeout_s=30)
+    assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_default_chat_template():
+    """No chat_template in tokenizer_config.json: the documented default."""
+    from gateway import openai_api as api
+    msgs = [api.ChatMessage(role="system", content="be brief"),
+            api.ChatMessage(role="user", content=[{"type": "text", "text": "hi"}, {"type": "text", "text": "!"}])]
+    assert api.chat_template({}) == api.DEFAULT_CHAT_TEMPLATE
+    assert api.render_chat(api.DEFAULT_CHAT_TEMPLATE, msgs, True, {}) == \
+        "<|system|>\nbe brief\n<|user|>\nhi!\n<|assistant|>\n"
+    named = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": "{{ messages[0].content }}"}]
+    assert api.render_chat(api.chat_template({"chat_template": named}), msgs, True, {}) == "be brief"

@@ -1,0 +1,133 @@
+"""Bad input on the REST API gets a 4xx with an OpenAI-style error naming the field, and the server
+keeps serving; the API key guards /v1/*; /health says whether the cluster can serve."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import AuthenticationError, OpenAI
+
+from api_cluster import API_KEY
+
+pytestmark = pytest.mark.slow
+OK = {"prompt": "def f(x):", "max_tokens": 2, "temperature": 0}
+MSGS = [{"role": "user", "content": "hi"}]
+
+# (case, path, body (dict, or raw bytes), status, param named in the error (None: not a field), text in the message)
+BAD = [
+    ("malformed JSON", "/v1/completions", b'{"prompt": "x", "max_tokens": ', 400, None, "not valid JSON"),
+    ("body not an object", "/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("prompt missing", "/v1/completions", {"max_tokens": 2}, 400, "prompt", "prompt"),
+    ("prompt wrong type", "/v1/completions", {**OK, "prompt": 123}, 400, "prompt", "prompt"),
+    ("max_tokens wrong type", "/v1/completions", {**OK, "max_tokens": "many"}, 400, "max_tokens", "integer"),
+    ("temperature wrong type", "/v1/completions", {**OK, "temperature": "hot"}, 400, "temperature", "number"),
+    ("stop wrong type", "/v1/completions", {**OK, "stop": 5}, 400, "stop", "stop"),
+    ("negative max_tokens", "/v1/completions", {**OK, "max_tokens": -1}, 400, "max_tokens", ">= 0"),
+    ("temperature < 0", "/v1/completions", {**OK, "temperature": -0.5}, 400, "temperature", ">= 0"),
+    ("top_p > 1", "/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p", "[0, 1]"),
+    ("top_k < -1", "/v1/completions", {**OK, "top_k": -3}, 400, "top_k", "top_k"),
+    ("n = 0", "/v1/completions", {**OK, "n": 0}, 400, "n", ">= 1"),
+    ("logprobs too many", "/v1/completions", {**OK, "logprobs": 50}, 400, "logprobs", "[0, 20]"),
+    ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, 400, "prompt", "empty"),
+    ("empty prompt list", "/v1/completions", {**OK, "prompt": []}, 400, "prompt", "empty"),
+    ("token id out of range", "/v1/completions", {**OK, "prompt": [5, 512]}, 400, "prompt", "vocab_size is 512"),
+    ("prompt over the limit", "/v1/completions", {**OK, "prompt": [5] * 3000}, 400, "prompt", "limit of"),
+    ("max_tokens over the limit", "/v1/completions", {**OK, "max_tokens": 10 ** 6}, 400, "max_tokens", "limit of"),
+    ("unknown model", "/v1/completions", {**OK, "model": "gpt-4o"}, 404, "model", "does not exist"),
+    ("chat: messages wrong type", "/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list"),
+    ("chat: empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages", "empty"),
+    ("chat: bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages.0.role", "wizard"),
+    ("chat: negative max_tokens", "/v1/chat/completions", {"messages": MSGS, "max_tokens": -2}, 400,
+     "max_tokens", ">= 1"),
+    ("chat: temperature < 0", "/v1/chat/completions", {"messages": MSGS, "temperature": -1}, 400,
+     "temperature", ">= 0"),
+    ("chat: unknown model", "/v1/chat/completions", {"messages": MSGS, "model": "nope"}, 404, "model", "nope"),
+    ("tokenize: neither prompt nor messages", "/tokenize", {}, 400, "prompt", "prompt"),
+    ("detokenize: id out of range", "/detokenize", {"tokens": [1, 99999]}, 400, "tokens", "out of range"),
+]
+
+
+@pytest.fixture(scope="module")
+def http(api_cluster):
+    with httpx.Client(base_url=api_cluster.url, timeout=120) as c:
+        yield c
+
+
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(http, case):
+    _, path, body, status, param, text = case
+    r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and text in err["message"], err
+    if param:
+        assert param.split(".")[0] in err["message"], "the message names the field"
+
+
+def test_still_serving_after_bad_input(http):
+    for _, path, body, *_ in BAD:                        # once more, back to back
+        http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/completions", json=OK)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_unknown_fields_tolerated(http, api_cluster):
+    r = http.post("/v1/completions", json={**OK, "model": api_cluster.model_name, "user": "u1", "logit_bias": {},
+                                           "presence_penalty": 0, "suffix": None, "some_future_field": [1, 2]})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi", "name": "me"}],
+                                                "max_tokens": 2, "tools": None, "parallel_tool_calls": False})
+    assert r.status_code == 200, r.text
+
+
+def test_api_key(api_cluster):
+    with httpx.Client(base_url=api_cluster.keyed_url, timeout=60) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"),
+                                 ("POST", "/v1/chat/completions")):
+                r = c.request(method, path, json=OK, headers=headers)
+                assert r.status_code == 401, (headers, path, r.text)
+                assert r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+        r = c.post("/v1/completions", json=OK, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 200, r.text
+    bad = OpenAI(base_url=api_cluster.keyed_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(AuthenticationError):
+        bad.models.list()
+    good = OpenAI(base_url=api_cluster.keyed_url + "/v1", api_key=API_KEY, max_retries=0)
+    assert good.completions.create(model=api_cluster.model_name, prompt="x", max_tokens=2).choices
+
+
+def test_health(http, api_cluster):
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+
+
+def test_health_503_when_the_target_is_down(api_cluster):
+    """In process: the app over a target that does not answer says 503 and why."""
+    import grpc
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from gateway.core import Gateway, Limits
+    from gateway.http import build_app
+    from gateway.metrics import GatewayMetrics
+    from gateway.scheduler import Scheduler
+
+    class Down:
+        async def GetInfo(self, request, timeout=None):
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="connection refused")
+
+    metrics = GatewayMetrics("tiny")
+    scheduler = Scheduler(Down(), None, {2})
+    metrics.attach(scheduler, {"target": Down()})
+    tok = Tokenizer.from_file(str(api_cluster.ckpt / "tokenizer.json"))
+    gw = Gateway(str(api_cluster.ckpt), "tiny", tok, scheduler, Limits(512, 2048, 0, 16))
+    with TestClient(build_app(gw, metrics, None, "")) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        assert "target unreachable" in r.json()["reason"] and "UNAVAILABLE" in r.json()["reason"]
+        assert 'tandem:service_up{model_name="tiny",service="target"} 0.0' in c.get("/metrics").text
