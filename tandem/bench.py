@@ -107,10 +107,10 @@ def _free_port() -> int:
 
 
 def start_cluster(model: str, kmax: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    ports = [_free_port() for _ in range(5)]
+    ports = [_free_port() for _ in range(6)]
     cmd = [sys.executable, "-m", "tandem", "serve", "--model", model, "-k", str(kmax),
            "--grpc-port", str(ports[0]), "--target-port", str(ports[1]), "--draft-port", str(ports[2]),
-           "--bridge-port", str(ports[3]), "--dist-port", str(ports[4]), *extra]
+           "--bridge-port", str(ports[3]), "--dist-port", str(ports[4]), "--http-port", str(ports[5]), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:                   # "tandem: serving ..." means all three are SERVING
         if line.startswith("tandem: serving"):
