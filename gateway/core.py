@@ -14,6 +14,8 @@ from gateway.text import TextStream
 from tandem.v1 import rows_pb2
 
 UINT64 = 1 << 64
+FLOAT32_MAX = 3.4028234663852886e38     # sampling floats travel as float32: larger would arrive as inf
+MAX_STOP = 16                           # stop strings per request
 
 
 class RequestError(ValueError):
@@ -25,11 +27,19 @@ class RequestError(ValueError):
 
 
 class GenerationError(RuntimeError):
-    """A request that failed after it was accepted (a service error), with the gRPC status."""
+    """A request that failed after it was accepted (a service error), or was refused at admission
+    (the target is down, the queue is full), with the gRPC status."""
+
+    http_status: int | None = None         # where the gRPC code's usual HTTP status does not fit
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
+
+
+class QueueFull(GenerationError):
+    """Back-pressure: HTTP 429 (retry later), not the 503 other RESOURCE_EXHAUSTED answers map to."""
+    http_status = 429
 
 
 @dataclass
@@ -39,6 +49,9 @@ class Limits:
     num_speculative_tokens: int
     default_max_tokens: int
     max_logprobs: int = 20
+    max_prompt_tokens: int = 0          # --max-prompt-tokens (0: the model's limit)
+    max_output_tokens: int = 0          # --max-output-tokens: the largest max_tokens (0: the model's limit)
+    max_request_bytes: int = 4 << 20    # --max-request-bytes: REST body / gRPC message
 
 
 class Gateway:
@@ -78,9 +91,11 @@ class Gateway:
         """Validate and build one generation; raises RequestError naming the field."""
         lim = self.limits
         self.check_ids(ids, ids_param)
-        max_tokens = lim.default_max_tokens if max_tokens is None else max_tokens
+        if max_tokens is None:                # the default never exceeds the configured cap
+            max_tokens = min(lim.default_max_tokens, lim.max_output_tokens or lim.default_max_tokens)
         if max_tokens < 0:
             raise RequestError("max_tokens", f"max_tokens: must be >= 0, got {max_tokens}")
+        self.check_limits(len(ids), max_tokens, ids_param)
         if len(ids) > self.prompt_limit:
             raise RequestError(ids_param, f"prompt has {len(ids)} tokens, more than the model's limit of "
                                           f"{self.prompt_limit} tokens (max_model_len {lim.max_model_len})")
@@ -89,10 +104,15 @@ class Gateway:
                                              f"the model's limit of {self.prompt_limit} tokens")
         if not temperature >= 0:
             raise RequestError("temperature", f"temperature: must be >= 0, got {temperature}")
+        if not temperature <= FLOAT32_MAX:
+            raise RequestError("temperature", f"temperature: must be a finite number, got {temperature}")
+        if len(stop) > MAX_STOP:
+            raise RequestError("stop", f"stop: at most {MAX_STOP} strings, got {len(stop)}")
         if not 0 <= top_p <= 1:
             raise RequestError("top_p", f"top_p: must be in [0, 1], got {top_p}")
         if top_k < 0:
             raise RequestError("top_k", f"top_k: must be >= 0 (or -1: off), got {top_k}")
+        top_k = 0 if top_k >= lim.vocab_size else top_k      # the whole vocabulary: off (fits uint32)
         if seed is not None and not 0 <= seed < UINT64:
             raise RequestError("seed", f"seed: must be in [0, 2**64), got {seed}")
         if logprobs is not None and not 0 <= logprobs <= lim.max_logprobs:
@@ -109,6 +129,23 @@ class Gateway:
                           text=TextStream(self.tokenizer, list(stop)), ignore_eos=ignore_eos,
                           k=k if max_tokens > 0 else 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                           span=span)
+
+    def check_limits(self, n_prompt: int, max_tokens: int, ids_param: str) -> None:
+        """The configured per-request caps (--max-prompt-tokens, --max-output-tokens), named in the error."""
+        lim = self.limits
+        if lim.max_prompt_tokens and n_prompt > lim.max_prompt_tokens:
+            raise RequestError(ids_param, f"prompt has {n_prompt} tokens, more than this gateway's limit of "
+                                          f"{lim.max_prompt_tokens} (--max-prompt-tokens)")
+        if lim.max_output_tokens and max_tokens > lim.max_output_tokens:
+            raise RequestError("max_tokens", f"max_tokens: {max_tokens} is more than this gateway's limit of "
+                                             f"{lim.max_output_tokens} (--max-output-tokens)")
+
+    def admit(self, n: int) -> None:
+        """Before building n new requests: GenerationError when the target is down (UNAVAILABLE) or the
+        queue is full (RESOURCE_EXHAUSTED, HTTP 429)."""
+        refused = self.scheduler.avail.admit(n, len(self.scheduler.waiting))
+        if refused is not None:
+            raise (QueueFull if refused[0] == grpc.StatusCode.RESOURCE_EXHAUSTED else GenerationError)(*refused)
 
     async def events(self, r: GenRequest):
         """Submit r and yield its events until it finishes; raises GenerationError on a service

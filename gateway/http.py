@@ -56,7 +56,11 @@ def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | 
 
     @app.exception_handler(GenerationError)
     async def failed(request: Request, e: GenerationError):
-        return error(api.GRPC_TO_HTTP.get(e.code.name, 500), str(e), code=e.code.name.lower())
+        status = e.http_status or api.GRPC_TO_HTTP.get(e.code.name, 500)
+        resp = error(status, str(e), code=e.code.name.lower())
+        if status in (429, 503):
+            resp.headers["Retry-After"] = "1"
+        return resp
 
     @app.exception_handler(Exception)
     async def bug(request: Request, e: Exception):
@@ -64,11 +68,11 @@ def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | 
         return error(500, f"internal error: {type(e).__name__}: {e}")
 
     async def body(request: Request, cls):
-        raw = await request.body()
+        raw = await read_limited(request, gw.limits.max_request_bytes)
         try:
             data = json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(None, f"the request body is not valid JSON: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: nested too deep
+            raise RequestError(None, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
         return api.parse(cls, data)
 
     def check_model(name: str | None) -> None:
@@ -78,6 +82,7 @@ def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | 
 
     def start(requests_args: list[dict], req: api._Sampling, operation: str, request: Request):
         """Validate every choice's request before any runs -> (GenRequests, span)."""
+        gw.admit(len(requests_args))          # 503 while the target is down, 429 when the queue is full
         span = tracing.start_request_span(
             f"{operation} {gw.model_name}", tracing.incoming(request.headers),
             **{"gen_ai.operation.name": operation, "gen_ai.request.model": gw.model_name,
@@ -110,7 +115,7 @@ def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | 
         req = await body(request, api.CompletionRequest)
         check_model(req.model)
         prompts = api.completion_prompts(req, gw.encode)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        max_tokens = min(16, gw.limits.max_output_tokens or 16) if req.max_tokens is None else req.max_tokens
         if max_tokens == 0 and not req.echo:
             raise RequestError("max_tokens", "max_tokens: must be >= 1 (0 only with echo, to score the prompt)")
         common = dict(api.sampling_args(req, max_tokens), logprobs=req.logprobs,
@@ -178,12 +183,17 @@ def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | 
         if loop_task is not None and loop_task.done():
             reasons.append("the gateway's scheduler loop has stopped")
         info = await metrics.poll()
+        avail = gw.scheduler.avail
         if isinstance(info.get("target"), str):
             reasons.append(f"target unreachable ({info['target']})")
-        body = {"status": "unavailable" if reasons else "ok", "model": gw.model_name}
+        elif avail.target_down is not None:         # answers GetInfo, not yet back for the gateway
+            reasons.append(f"target unavailable ({avail.target_down})")
+        body = {"status": "unavailable" if reasons else "ok", "model": gw.model_name,
+                "speculation": avail.speculation()}
         if isinstance(info.get("draft"), str):      # the gateway decodes without drafts meanwhile
             body["draft"] = f"unreachable ({info['draft']}); serving without speculation"
-            body["status"] = body["status"] if reasons else "degraded"
+        if ("draft" in body or avail.degraded is not None) and not reasons:
+            body["status"] = "degraded"             # still 200: it serves, only slower
         if reasons:
             body["reason"] = "; ".join(reasons)
         return JSONResponse(body, status_code=503 if reasons else 200)
@@ -197,6 +207,24 @@ def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | 
         return PlainTextResponse("pong")
 
     return app
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 naming the limit once it exceeds `limit` bytes (declared or streamed):
+    never buffered past the limit."""
+    def too_large(n: str):
+        return RequestError(None, f"request body of {n} bytes exceeds this gateway's limit of {limit} bytes "
+                                  "(--max-request-bytes)", status=413, code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(declared)
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise too_large(f"more than {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def fastapi_telemetry() -> dict:
@@ -218,9 +246,11 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """uvicorn serving the app on a socket bound up front (a busy port fails at start, by name)."""
 
-    def __init__(self, gw: Gateway, metrics: GatewayMetrics, loop_task, api_key: str):
+    def __init__(self, gw: Gateway, metrics: GatewayMetrics, loop_task, api_key: str, tls=None):
         self.app = build_app(gw, metrics, loop_task, api_key)
-        self.server = _Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off"))
+        https = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key} if tls is not None and tls.cert else {}
+        self.server = _Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                             **https))
         self.sock: socket.socket | None = None
 
     def bind(self, host: str, port: int) -> int:

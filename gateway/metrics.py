@@ -162,3 +162,24 @@ class _Collector:
                 used.add_metric(lab + [name], info.kv_blocks_total - info.kv_blocks_free)
                 free.add_metric(lab + [name], info.kv_blocks_free)
         yield from (used, free, up)
+        yield from _availability(s.avail, lab)
+
+
+def _availability(av, lab: list[str]):
+    """Fault state (gateway/availability.py): degraded speculation, an unavailable target, refusals."""
+    for name, doc, v in (
+            ("speculation_degraded", "1 while speculation is off because the draft failed", av.degraded is not None),
+            ("target_unavailable", "1 while the target is down and new requests are refused", av.target_down is not None)):
+        g = GaugeMetricFamily(f"tandem:{name}", doc, labels=["model_name"])
+        g.add_metric(lab, int(v))
+        yield g
+    for name, doc, v in (("draft_failures", "Times speculation became degraded", av.draft_failures),
+                         ("draft_resynced_requests", "Running requests whose draft cache was rebuilt", av.resynced)):
+        c = CounterMetricFamily(f"tandem:{name}", doc, labels=["model_name"])
+        c.add_metric(lab, v)
+        yield c
+    c = CounterMetricFamily("tandem:requests_rejected", "Requests refused at admission, by reason "
+                            "(queue_full: 429; target_unavailable: 503)", labels=["model_name", "reason"])
+    for reason in ("queue_full", "target_unavailable"):
+        c.add_metric(lab + [reason], av.rejected[reason])
+    yield c

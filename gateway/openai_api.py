@@ -163,8 +163,10 @@ def render_chat(template: str, messages: list[ChatMessage], add_generation_promp
                                                                                 ensure_ascii=ensure_ascii)
     env.globals["raise_exception"] = _raise
     try:
-        return env.from_string(template).render(messages=msgs, add_generation_prompt=add_generation_prompt,
-                                                **special, **(kwargs or {}))
+        # the request's chat_template_kwargs may not replace messages or add_generation_prompt (nor
+        # collide with them: a duplicate keyword was a TypeError, a 500)
+        return env.from_string(template).render(**{**special, **(kwargs or {}), "messages": msgs,
+                                                   "add_generation_prompt": add_generation_prompt})
     except jinja2.exceptions.TemplateError as e:
         raise RequestError("messages", f"messages: the chat template failed: {e}") from None
 

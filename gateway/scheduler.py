@@ -2,8 +2,13 @@
 
 Requests join between rounds and leave as they finish. Tokens are committed only from the
 target's answers. A draft that fails (other than a contract error) costs speed, not tokens: its
-requests continue with zero drafts. A contract error or a target failure ends every request of
-that round with the service's status and message.
+requests continue with zero drafts, speculation is degraded until the draft answers again, and
+their draft cache is re-synced before it proposes for them again (gateway/availability.py,
+gateway/resync.py). A contract error or a target failure ends every request of that round with
+the service's status and message; a target that is UNAVAILABLE also refuses new requests.
+
+Deadlines: a request whose deadline passed is failed (DEADLINE_EXCEEDED) and freed before the next
+round; a call whose requests all carry deadlines is given no longer than the last of them.
 """
 from __future__ import annotations
 
@@ -12,11 +17,12 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.text import TextStream
+from gateway.availability import Availability
+from gateway.request import Event, GenRequest, Observer, SpecStats  # noqa: F401 (re-exported)
+from gateway.resync import resync
 from tandem import tracing
 from tandem.v1 import draft_pb2, rows_pb2, target_pb2
 
@@ -24,84 +30,15 @@ log = logging.getLogger("tandem.gateway")
 CONTRACT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
-@dataclass
-class SpecStats:
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def add(self, k: int, accepted: int) -> None:
-        if k <= 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += k
-        self.num_accepted_tokens += accepted
-        self.accepted_per_position += [0] * (k - len(self.accepted_per_position))
-        for i in range(accepted):
-            self.accepted_per_position[i] += 1
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-
-@dataclass
-class Event:
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None      # "stop" | "length" | None
-    error: tuple[grpc.StatusCode, str] | None = None
-    logprobs: list = field(default_factory=list)   # target_pb2.TokenLogprob per token, when asked
-
-
-class Observer:
-    """Hooks for metrics (gateway/metrics.py); the base does nothing."""
-
-    def phase(self, name: str, seconds: float) -> None:
-        """A round phase took `seconds`: prefill | propose | transfer | verify."""
-
-    def tokens(self, r: "GenRequest", n: int, now: float) -> None:
-        """`n` new tokens were committed for r (before r.first_token_time / last_token_time move)."""
-
-    def finished(self, r: "GenRequest", reason: str | None, now: float) -> None:
-        """r ended: "stop" | "length", or None (failed or cancelled)."""
-
-
-@dataclass
-class GenRequest:
-    id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: rows_pb2.SamplingParams
-    text: TextStream
-    ignore_eos: bool = False
-    k: int = 0                                               # draft tokens per round
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    output_ids: list[int] = field(default_factory=list)
-    stats: SpecStats = field(default_factory=SpecStats)
-    speculate: bool = True
-    draft_tokens: list[int] = field(default_factory=list)   # committed, not yet given to the draft
-    draft_position: int = 0                                  # index of draft_tokens[0]
-    rows: rows_pb2.HiddenRows | None = None                  # the row set holding their rows
-    finished: bool = False
-    cancelled: bool = False                                  # client gone while a call held it
-    arrival: float = field(default_factory=time.monotonic)
-    logprobs: int | None = None                              # top-n per output token; None: none
-    prompt_logprobs: bool = False                            # score the prompt (echo + logprobs)
-    prompt_lps: list = field(default_factory=list)           # TokenLogprob for prompt tokens 1..T-1
-    span: object = None                                      # the client request's tracing span
-    eos: tuple | None = None                                 # (EOS id, its TokenLogprob) when EOS ended it
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-
-
 class Scheduler:
     def __init__(self, target, draft, eos_ids: set[int], max_batch: int = 64, rpc_timeout_s: float = 60.0,
-                 transport: int = rows_pb2.TRANSPORT_UNSPECIFIED, observer: Observer | None = None):
+                 transport: int = rows_pb2.TRANSPORT_UNSPECIFIED, observer: Observer | None = None,
+                 draft_timeout_s: float = 10.0, max_waiting: int = 0):
         self.target, self.draft, self.eos = target, draft, eos_ids
         self.obs = observer or Observer()
         self.max_batch, self.timeout, self.transport = max_batch, rpc_timeout_s, transport
+        self.draft_timeout = draft_timeout_s
+        self.avail = Availability(draft is not None, max_waiting)
         self.waiting: list[GenRequest] = []
         self.running: list[GenRequest] = []
         self.stats = SpecStats()
@@ -142,7 +79,43 @@ class Scheduler:
                 for r in list(self.running):
                     self._fail(r, grpc.StatusCode.INTERNAL, "internal error in the gateway round")
 
+    # --- service faults (called by the rounds and by gateway/watch.py) ----------------------------
+    def draft_lost(self, reason: str) -> None:
+        """The draft failed or went away: every running request decodes without drafts, and is re-synced
+        before the draft proposes for it again. Rows go inline from now on: the bridge's rendezvous
+        does not survive a draft restart (the target keeps its old peer)."""
+        self.avail.draft_failed(reason)
+        for r in self.running:
+            if r.speculate:
+                r.speculate, r.stale = False, True
+        if self.transport != rows_pb2.TRANSPORT_INLINE:
+            log.warning("hidden rows go inline from now on (the bridge does not survive a draft restart)")
+            self.transport = rows_pb2.TRANSPORT_INLINE
+
+    def target_lost(self, reason: str) -> None:
+        self.avail.target_failed(reason)
+
+    def _expire(self) -> None:
+        """Fail (and free) the requests whose deadline passed; none is in a call now."""
+        now = time.monotonic()
+        for r in [r for r in self.waiting + self.running if r.deadline is not None and r.deadline <= now]:
+            if r in self.waiting:
+                self.waiting.remove(r)
+            self._fail(r, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+
+    def _budget(self, reqs: list[GenRequest], cap: float) -> tuple[float, bool]:
+        """-> (timeout of a call over reqs, whether their deadlines set it): nobody waits past the
+        last of their deadlines, so the call need not either."""
+        if not reqs or any(r.deadline is None for r in reqs):
+            return cap, False
+        left = max(r.deadline for r in reqs) - time.monotonic()
+        return (max(0.05, left), True) if left < cap else (cap, False)
+
     async def step(self) -> None:
+        self._expire()
+        stale = [r for r in self.running if r.stale]
+        if stale and self.avail.degraded is None:
+            await self._holding(stale, resync(self, stale))
         room = self.max_batch - len(self.running)
         if self.waiting and room > 0:
             new, self.waiting = self.waiting[:room], self.waiting[room:]
@@ -166,14 +139,14 @@ class Scheduler:
         req = target_pb2.PrefillRequest(
             items=[target_pb2.PrefillItem(request_id=r.id, prompt_token_ids=r.prompt_ids, sampling=r.sampling,
                                           logprobs=r.logprobs, prompt_logprobs=r.prompt_logprobs)
-                   for r in new], return_hidden_rows=self.draft is not None and any(r.k > 0 for r in new), transport=self.transport)
+                   for r in new], return_hidden_rows=self._speculating and any(r.k > 0 for r in new),
+            transport=self.transport)
         t0 = time.perf_counter()
         try:
             with tracing.phase("prefill", [r.span for r in new], requests=len(new)):
-                resp = await self.target.Prefill(req, timeout=self.timeout)
+                resp = await self.target.Prefill(req, timeout=self._budget(new, self.timeout)[0])
         except grpc.aio.AioRpcError as e:
-            for r in new:
-                self._fail(r, e.code(), f"target Prefill failed: {e.details()}")
+            self._target_failed(new, e, "Prefill")
             return
         self.obs.phase("prefill", time.perf_counter() - t0)
         for i, (r, tok) in enumerate(zip(new, resp.first_token_ids)):
@@ -184,7 +157,8 @@ class Scheduler:
                 self._finish(r, "length")
                 continue
             self.running.append(r)
-            r.speculate = self.draft is not None and r.k > 0
+            r.speculate = self._speculating and r.k > 0 and resp.HasField("hidden_rows")
+            r.stale = self.draft is not None and r.k > 0 and not r.speculate
             r.draft_tokens, r.draft_position, r.rows = list(r.prompt_ids) + [tok], 0, resp.hidden_rows
             self._commit(r, [tok], [lp.first_token] if lp is not None and r.logprobs is not None else [])
 
@@ -197,20 +171,21 @@ class Scheduler:
                 request_id=r.id, new_token_ids=r.draft_tokens, num_draft_tokens=r.k, sampling=r.sampling,
                 position=r.draft_position) for r in spec], hidden_rows=list(sets.values()))
             t0 = time.perf_counter()
+            timeout, by_deadlines = self._budget(spec, self.draft_timeout)
             try:
                 with tracing.phase("propose", [r.span for r in spec], requests=len(spec)):
-                    presp = await self.draft.Propose(preq, timeout=self.timeout)
+                    presp = await self.draft.Propose(preq, timeout=timeout)
             except grpc.aio.AioRpcError as e:
                 if e.code() in CONTRACT_CODES:
                     for r in batch:
                         self._fail(r, e.code(), f"draft Propose: {e.details()}")
                     return
-                log.warning("draft Propose failed (%s: %s); %d requests continue without drafts",
-                            e.code().name, e.details(), len(spec))
-                for r in spec:
-                    r.speculate = False
-                asyncio.ensure_future(self._release(self.draft, [r.id for r in spec]))
+                for r in spec:                 # the draft's state of them is unknown: re-sync later
+                    r.speculate, r.stale = False, True
+                if not (by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):   # else: they expire
+                    self.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})")
             else:
+                self.avail.draft_proposed()
                 self.obs.phase("propose", time.perf_counter() - t0 - presp.transfer_seconds)
                 self.obs.phase("transfer", presp.transfer_seconds)
                 for r, res in zip(spec, presp.results):
@@ -224,10 +199,9 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             with tracing.phase("verify", [r.span for r in batch], requests=len(batch)):
-                vresp = await self.target.Verify(vreq, timeout=self.timeout)
+                vresp = await self.target.Verify(vreq, timeout=self._budget(batch, self.timeout)[0])
         except grpc.aio.AioRpcError as e:
-            for r in batch:
-                self._fail(r, e.code(), f"target Verify failed: {e.details()}")
+            self._target_failed(batch, e, "Verify")
             return
         self.obs.phase("verify", time.perf_counter() - t0)
         for r, res in zip(batch, vresp.results):
@@ -237,6 +211,18 @@ class Scheduler:
             if r.speculate:
                 r.draft_tokens, r.rows = list(res.emitted_token_ids), vresp.hidden_rows
             self._commit(r, list(res.emitted_token_ids), list(res.logprobs))
+
+    @property
+    def _speculating(self) -> bool:
+        return self.draft is not None and self.avail.degraded is None
+
+    def _target_failed(self, reqs: list[GenRequest], e: grpc.aio.AioRpcError, call: str) -> None:
+        """A Prefill or Verify failed: its requests end with the status (none is half-advanced: the
+        gateway commits only what a call returned). UNAVAILABLE: the target is gone; refuse new requests."""
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            self.target_lost(f"{call} failed: {e.details()}")
+        for r in reqs:
+            self._fail(r, e.code(), f"target {call} failed: {e.details()}")
 
     def _commit(self, r: GenRequest, tokens: list[int], logprobs: list | None = None) -> None:
         """Commit the target's tokens in order up to the first that ends the request (EOS, one that

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,11 +17,13 @@ from grpc_health.v1 import _async as health_aio
 from grpc_reflection.v1alpha import reflection
 from tokenizers import Tokenizer
 
+from gateway.auth import ApiKeyInterceptor
 from gateway.core import GenerationError, Gateway, Limits, RequestError
 from gateway.http import HttpServer
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import GenRequest, Scheduler
-from tandem import tracing
+from gateway import watch
+from tandem import tls as tls_mod, tracing
 from tandem.grpc_server import channel_options
 from tandem.v1 import draft_pb2_grpc, generate_pb2, generate_pb2_grpc, rows_pb2, target_pb2, target_pb2_grpc
 
@@ -48,10 +51,28 @@ class GatewayConfig:
     otlp_endpoint: str = ""
     stats_interval_s: float = 10.0
     max_logprobs: int = 20
+    max_prompt_tokens: int = 0               # per request; 0: the model's limit
+    max_output_tokens: int = 0               # the largest max_tokens; 0: the model's limit
+    max_request_bytes: int = 4 << 20         # REST body and gRPC message of the public API
+    tls_cert: str = ""                       # TLS on both listeners and to the services (tandem/tls.py)
+    tls_key: str = ""
+    tls_ca: str = ""
+    max_waiting: int = 256                   # requests queued for a Prefill; beyond: 429 / RESOURCE_EXHAUSTED
+    rpc_timeout_s: float = 60.0              # a Prefill / Verify / RecomputeRows call (client deadlines bound it)
+    draft_timeout_s: float = 10.0            # a Propose; past it the round goes on without drafts
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
+
+    @property
+    def tls(self) -> tls_mod.TlsFiles:
+        return tls_mod.TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
+
+    @property
+    def key(self) -> str:
+        """The API key guarding REST /v1/* and gRPC GenerateService ('': open)."""
+        return self.api_key or os.environ.get("TANDEM_API_KEY", "")
 
     def validate(self) -> "GatewayConfig":
         if not 0 <= self.num_speculative_tokens <= 16:
@@ -60,6 +81,9 @@ class GatewayConfig:
             raise SystemExit(f"--hidden-transport must be one of {list(TRANSPORTS)}, got {self.hidden_transport!r}")
         if not (Path(self.model) / "tokenizer.json").exists():
             raise SystemExit(f"--model {self.model}: no tokenizer.json there")
+        if min(self.max_prompt_tokens, self.max_output_tokens) < 0 or self.max_request_bytes < 1024:
+            raise SystemExit("--max-prompt-tokens and --max-output-tokens must be >= 0, --max-request-bytes >= 1024")
+        self.tls.validate("tandem gateway")
         return self
 
 
@@ -87,9 +111,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         r, finish = None, None
         try:
             try:
+                self.gw.admit(1)
                 r = self.build(request, span)
             except RequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except GenerationError as e:          # refused: the target is down, or the queue is full
+                await context.abort(e.code, str(e))
+            left = context.time_remaining()       # the client's deadline bounds the calls made for it
+            r.deadline = None if left is None else time.monotonic() + left
             try:
                 async for ev in self.gw.events(r):
                     finish = ev.finish_reason
@@ -140,49 +169,63 @@ async def wait_ready(channel: grpc.aio.Channel, name: str, timeout_s: float) -> 
         await asyncio.sleep(0.5)
 
 
+def check_same_model(target: target_pb2.InfoResponse, draft: target_pb2.InfoResponse) -> None:
+    """Refuse to serve unless draft and target run the same model (identity: services/identity.py)
+    under the same contract; the error names both sides' values and checkpoints."""
+    for field in ("model_identity", "contract_version", "vocab_size", "hidden_size"):
+        t, d = getattr(target, field), getattr(draft, field)
+        if t != d:
+            raise SystemExit(f"gateway: refusing to serve: draft and target disagree on {field}: "
+                             f"target {t!r} (--model {target.model}), draft {d!r} (--model {draft.model})")
+
+
 async def serve(cfg: GatewayConfig) -> None:
     tracing.setup("tandem-gateway", cfg.otlp_endpoint)
     tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
-    tchan = grpc.aio.insecure_channel(cfg.target_addr, options=channel_options(),
-                                      interceptors=tracing.client_interceptors())
+    tchan = tls_mod.aio_channel(cfg.target_addr, cfg.tls, options=channel_options() + watch.RECONNECT_OPTIONS,
+                                interceptors=tracing.client_interceptors())
     await wait_ready(tchan, f"target at {cfg.target_addr}", cfg.connect_timeout_s)
     target = target_pb2_grpc.TargetServiceStub(tchan)
     info = await target.GetInfo(target_pb2.InfoRequest(), timeout=10)
     services = {"target": target}
     draft = None
     if cfg.num_speculative_tokens > 0:
-        dchan = grpc.aio.insecure_channel(cfg.draft_addr, options=channel_options(),
-                                          interceptors=tracing.client_interceptors())
+        dchan = tls_mod.aio_channel(cfg.draft_addr, cfg.tls, options=channel_options() + watch.RECONNECT_OPTIONS,
+                                    interceptors=tracing.client_interceptors())
         await wait_ready(dchan, f"draft at {cfg.draft_addr}", cfg.connect_timeout_s)
         draft = services["draft"] = draft_pb2_grpc.DraftServiceStub(dchan)
         dinfo = await draft.GetInfo(target_pb2.InfoRequest(), timeout=10)
-        for field in ("vocab_size", "hidden_size", "contract_version"):
-            if getattr(dinfo, field) != getattr(info, field):
-                raise SystemExit(f"draft and target disagree on {field}: draft {getattr(dinfo, field)!r}, "
-                                 f"target {getattr(info, field)!r}")
+        check_same_model(info, dinfo)
     metrics = GatewayMetrics(cfg.model_name)
-    scheduler = Scheduler(target, draft, set(info.eos_token_ids), cfg.max_batch,
-                          transport=TRANSPORTS[cfg.hidden_transport], observer=metrics)
+    scheduler = Scheduler(target, draft, set(info.eos_token_ids), cfg.max_batch, cfg.rpc_timeout_s,
+                          transport=TRANSPORTS[cfg.hidden_transport], observer=metrics,
+                          draft_timeout_s=cfg.draft_timeout_s, max_waiting=cfg.max_waiting)
     metrics.attach(scheduler, services)
     gw = Gateway(cfg.model, cfg.model_name, tokenizer, scheduler, Limits(
-        info.vocab_size, info.max_model_len, cfg.num_speculative_tokens, cfg.default_max_tokens, cfg.max_logprobs))
+        info.vocab_size, info.max_model_len, cfg.num_speculative_tokens, cfg.default_max_tokens, cfg.max_logprobs,
+        cfg.max_prompt_tokens, cfg.max_output_tokens, cfg.max_request_bytes))
     loop_task = asyncio.ensure_future(scheduler.run())
-    server = grpc.aio.server(options=channel_options())
+    watch_tasks = watch.start(scheduler, (tchan, target, info), (dchan, draft, dinfo) if draft else None)
+    server = grpc.aio.server(options=channel_options(cfg.max_request_bytes),
+                             interceptors=[ApiKeyInterceptor(cfg.key)] if cfg.key else None)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(gw), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(["tandem.v1.GenerateService", reflection.SERVICE_NAME,
                                          "grpc.health.v1.Health"], server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
-    http = HttpServer(gw, metrics, loop_task, cfg.api_key or os.environ.get("TANDEM_API_KEY", ""))
+    port = tls_mod.add_port(server, f"{cfg.host}:{cfg.grpc_port}", cfg.tls, require_client_cert=False)
+    if not port:
+        raise SystemExit(f"gateway: cannot bind the gRPC port {cfg.host}:{cfg.grpc_port}")
+    http = HttpServer(gw, metrics, loop_task, cfg.key, tls=cfg.tls)
     http_port = http.bind(cfg.host, cfg.http_port)
     await server.start()
     http_task = asyncio.ensure_future(http.serve())
     stats_task = asyncio.ensure_future(metrics.log_periodically(cfg.stats_interval_s)) if cfg.stats_interval_s > 0 else None
     for name in ("", "tandem.v1.GenerateService"):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("gateway serving gRPC on %s:%d and HTTP on http://%s:%d (model %r, K=%d)", cfg.host, port, cfg.host,
-             http_port, cfg.model_name, cfg.num_speculative_tokens)
+    log.info("gateway serving gRPC on %s:%d and HTTP on %s://%s:%d (model %r, K=%d, %s, API key %s)", cfg.host, port,
+             "https" if cfg.tls.cert else "http", cfg.host, http_port, cfg.model_name, cfg.num_speculative_tokens,
+             "TLS" if cfg.tls.cert else "plaintext", "required" if cfg.key else "off")
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -190,7 +233,7 @@ async def serve(cfg: GatewayConfig) -> None:
     await health.enter_graceful_shutdown()
     await http.shutdown()
     await server.stop(grace=2)
-    for t in (loop_task, stats_task, http_task):
+    for t in (loop_task, stats_task, http_task, *watch_tasks):
         if t is not None:
             t.cancel()
 
@@ -217,6 +260,19 @@ def parse(argv) -> GatewayConfig:
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--hidden-transport", default="auto")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a Prefill before new ones "
+                   "get HTTP 429 / gRPC RESOURCE_EXHAUSTED (0: unbounded)")
+    p.add_argument("--rpc-timeout", dest="rpc_timeout_s", type=float, default=60.0,
+                   help="seconds a Prefill or Verify call may take (shorter when every request in it has a deadline)")
+    p.add_argument("--draft-timeout", dest="draft_timeout_s", type=float, default=10.0,
+                   help="seconds a Propose may take before the round goes on without drafts (speculation degraded)")
+    p.add_argument("--max-prompt-tokens", type=int, default=0, help="longest prompt a request may bring, in "
+                   "tokens (400 / INVALID_ARGUMENT beyond; 0: the model's limit)")
+    p.add_argument("--max-output-tokens", type=int, default=0, help="largest max_tokens a request may ask for "
+                   "(0: the model's limit)")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest REST body (413 beyond) and "
+                   "gRPC request message (RESOURCE_EXHAUSTED beyond) of the public API")
+    tls_mod.add_flags(p)
     a = p.parse_args(argv)
     return GatewayConfig(**{**vars(a), "model": str(a.model or default_model())}).validate()
 

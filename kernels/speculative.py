@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import torch
 
+# Temperatures below this sample like greedy: logits / 1e-45 overflow to inf and softmax turns them into
+# NaN, whose argmax is token 0 (found by fuzzing); vLLM uses the same threshold.
+SAMPLING_EPS = 1e-5
+
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                    top_p: torch.Tensor) -> torch.Tensor:
     """logits [M, V] -> probs [M, V] after temperature, top-k (0 = off), top-p (0 or 1 = off).
 
-    Rows with temperature 0 become one-hot at the argmax (greedy as a distribution).
+    Rows with temperature < SAMPLING_EPS become one-hot at the argmax (greedy as a distribution).
     """
     logits = logits.float()
-    greedy = temperature <= 0
+    greedy = temperature < SAMPLING_EPS
     x = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     V = x.shape[-1]
     k = torch.where((top_k > 0) & (top_k < V), top_k, torch.full_like(top_k, V)).long()
@@ -69,6 +73,6 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft_ids: torch.Tensor, 
     residual = torch.where(rejected[:, None], (p_a - q_a).clamp(min=0), p_a)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_a)    # p == q: fall back to p
     last = (residual / exp_noise).argmax(-1)
-    drafts = torch.cat([draft_ids, torch.zeros_like(draft_ids[:, :1])], 1)
+    drafts = torch.cat([draft_ids, draft_ids.new_zeros(B, 1)], 1)                 # [B, K+1] (K = 0 too)
     emitted = torch.where(pos[None, :] < accepted[:, None], drafts, last[:, None])
     return accepted, emitted.masked_fill(pos[None, :] > accepted[:, None], -1)

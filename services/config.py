@@ -32,6 +32,12 @@ class ServiceConfig:
     dist_addr: str = ""              # rendezvous of the rank group (default: per role)
     rank: int = 0                    # set by rank 0 when it starts the others
     otlp_endpoint: str = ""          # OTLP/gRPC trace export (default: OTEL_EXPORTER_OTLP_ENDPOINT; none: off)
+    tls_cert: str = ""               # TLS (tandem/tls.py): this server's certificate chain and key
+    tls_key: str = ""
+    tls_ca: str = ""                 # with a CA: clients must present a certificate it signed (mutual TLS)
+    max_message_bytes: int = 256 << 20   # largest gRPC message received or sent (inline rows included)
+    max_draft_tokens: int = 16       # per request: Propose's num_draft_tokens / Verify's draft_token_ids
+    max_logprobs: int = 20           # target: top-n alternatives a Prefill / Verify item may ask for
 
     @property
     def rank_device(self) -> str:
@@ -67,7 +73,15 @@ class ServiceConfig:
         need(":" in self.bridge_addr, f"--bridge-addr must be host:port, got {self.bridge_addr!r}")
         need(self.tp >= 1 and self.ep >= 1 and self.tp % self.ep == 0, f"--ep ({self.ep}) must divide --tp ({self.tp})")
         need(0 <= self.rank < self.tp, f"--rank must be in [0, {self.tp}), got {self.rank}")
+        need(self.max_message_bytes >= 1 << 16, f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
+        need(self.max_draft_tokens >= 0 and self.max_logprobs >= 0, "--max-draft-tokens and --max-logprobs must be >= 0")
+        self.tls.validate(f"tandem {self.role}")
         return self
+
+    @property
+    def tls(self):
+        from tandem.tls import TlsFiles
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
 
 def parse(role: str, argv, description: str) -> ServiceConfig:

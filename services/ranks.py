@@ -8,8 +8,10 @@ cache bookkeeping stays identical. Workers exit when rank 0 goes away.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from models.parallel import ParallelState
 from services.bridge.rows import ServiceError
 from services.config import ServiceConfig
+from services.identity import model_identity
 
 log = logging.getLogger("tandem.ranks")
 
@@ -32,22 +35,47 @@ def init_group(cfg: ServiceConfig) -> ParallelState:
     if cfg.tp == 1:
         return ParallelState(ep_size=cfg.ep)
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{cfg.dist_addr}", rank=cfg.rank, world_size=cfg.tp,
-                            timeout=timedelta(seconds=600))
+    from services.bridge.channel import tcp_store        # rank 0's store listens on the dist host only
+    host, port = cfg.dist_addr.rsplit(":", 1)
+    store = tcp_store(host, int(port), cfg.tp, cfg.rank == 0, timedelta(seconds=600))
+    dist.init_process_group(backend, store=store, rank=cfg.rank, world_size=cfg.tp, timeout=timedelta(seconds=600))
     log.info("%s rank %d/%d joined (%s)", cfg.role, cfg.rank, cfg.tp, backend)
     return ParallelState(tp_rank=cfg.rank, tp_size=cfg.tp, ep_size=cfg.ep,
                          sequence_parallel=cfg.sequence_parallel, tp_group=dist.group.WORLD)
 
 
+EXIT_GROUP_BROKEN = 75        # rank 0's exit status when its rank group broke (a supervisor restarts it)
+
+
 class RankGroup:
     def __init__(self, engine, ps: ParallelState):
         self.engine, self.ps = engine, ps
+        self.broken: str | None = None
 
     def call(self, method: str, *args):
-        """Rank 0: run engine.method(*args) on every rank; return rank 0's result."""
-        if self.ps.tp_size > 1:
+        """Rank 0: run engine.method(*args) on every rank; return rank 0's result.
+
+        With tp > 1 any error other than a ServiceError (a rank died: gloo/NCCL raise at the next
+        collective; or a bug, after which the ranks' caches differ) leaves the group unusable: this
+        call and every later one answer UNAVAILABLE, and the process exits shortly after so that
+        `tandem serve` (or the orchestrator) restarts the whole service."""
+        if self.broken:
+            raise ServiceError("UNAVAILABLE", self.broken)
+        if self.ps.tp_size == 1:
+            return getattr(self.engine, method)(*args)
+        try:
             dist.broadcast_object_list([(method, _cpu(args))], src=0)
-        return getattr(self.engine, method)(*args)
+            return getattr(self.engine, method)(*args)
+        except ServiceError:
+            raise
+        except Exception as e:
+            self._break(f"{type(e).__name__}: {str(e)[:300]}")
+            raise ServiceError("UNAVAILABLE", self.broken) from None
+
+    def _break(self, why: str) -> None:
+        self.broken = f"the rank group of this service broke ({why}); restarting"
+        log.critical("%s; exiting with code %d in 0.5 s", self.broken, EXIT_GROUP_BROKEN)
+        threading.Timer(0.5, os._exit, (EXIT_GROUP_BROKEN,)).start()   # after this answer went out
 
     def serve_worker(self) -> None:
         """Ranks > 0: replay rank 0's calls until it closes the group or dies."""
@@ -67,8 +95,12 @@ class RankGroup:
                 pass                       # rank 0 raised the same error and answered the client
 
     def close(self) -> None:
-        if self.ps.tp_size > 1:
-            dist.broadcast_object_list([None], src=0)
+        """Tell the workers to exit; those already gone (killed with rank 0's process group) need no word."""
+        if self.ps.tp_size > 1 and not self.broken:
+            try:
+                dist.broadcast_object_list([None], src=0)
+            except Exception as e:
+                log.info("closing the rank group: a worker is already gone (%s)", type(e).__name__)
 
 
 def _cpu(x):
@@ -91,7 +123,13 @@ def service_info(cfg: ServiceConfig, engine, running: int):
         eos_token_ids=list(mc.eos_token_ids), max_model_len=engine.max_model_len,
         kv_blocks_total=engine.cache.num_blocks, kv_blocks_free=engine.cache.num_free_blocks,
         running_requests=running, contract_version=CONTRACT_VERSION,
-        num_nextn_predict_layers=mc.num_nextn_predict_layers)
+        num_nextn_predict_layers=mc.num_nextn_predict_layers, model_identity=model_identity(cfg.model))
+
+
+def hello(cfg: ServiceConfig) -> dict:
+    """What target and draft exchange when their bridge connects (and report in GetInfo)."""
+    from services.bridge.rows import CONTRACT_VERSION
+    return {"model_identity": model_identity(cfg.model), "contract_version": CONTRACT_VERSION}
 
 
 def run_service(role: str, argv: list[str], description: str, model_cls, engine_cls, make_servicer,
@@ -119,13 +157,15 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
             group.serve_worker()
             return 0
         backend = cfg.bridge_backend
+        log.info("%s: model identity %s (%s)", role, model_identity(cfg.model), cfg.model)
         channel = RowChannel(cfg.bridge_addr, "sender" if role == "target" else "receiver", backend,
-                             cfg.rank_device) if backend else None
+                             cfg.rank_device, hello=hello(cfg)) if backend else None
         servicer = make_servicer(cfg, group, channel)
         try:
             from tandem import tracing
             tracing.setup(f"tandem-{role}", cfg.otlp_endpoint)
-            grpc_server.serve(lambda s: add_servicer(servicer, s), [service_name], cfg.host, cfg.port)
+            grpc_server.serve(lambda s: add_servicer(servicer, s), [service_name], cfg.host, cfg.port,
+                              max_bytes=cfg.max_message_bytes, tls=cfg.tls)
         finally:
             group.close()
     finally:

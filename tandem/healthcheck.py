@@ -1,5 +1,9 @@
-"""`python -m tandem.healthcheck HOST:PORT | URL`: exit 0 when the gRPC server at HOST:PORT is
-SERVING, or when GET URL (e.g. the gateway's http://127.0.0.1:8000/health) answers 200."""
+"""`python -m tandem.healthcheck HOST:PORT | URL [--tls-cert PEM --tls-key PEM] [--tls-ca PEM]`: exit 0
+when the gRPC server at HOST:PORT is SERVING, or when GET URL (e.g. the gateway's
+http://127.0.0.1:8000/health) answers 200. With TLS flags the probe speaks TLS (a client certificate
+for services that require one; the CA verifies the server, for https:// URLs too)."""
+import argparse
+import ssl
 import sys
 import urllib.error
 import urllib.request
@@ -7,17 +11,20 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem import tls as tls_mod
 
-def http_ok(url: str) -> bool:
+
+def http_ok(url: str, tls: tls_mod.TlsFiles) -> bool:
+    ctx = ssl.create_default_context(cafile=tls.ca or None) if url.startswith("https://") else None
     try:
-        with urllib.request.urlopen(url, timeout=3) as r:
+        with urllib.request.urlopen(url, timeout=3, context=ctx) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
 
 
-def grpc_ok(addr: str) -> bool:
-    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(addr))
+def grpc_ok(addr: str, tls: tls_mod.TlsFiles) -> bool:
+    stub = health_pb2_grpc.HealthStub(tls_mod.channel(addr, tls))
     try:
         return stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -25,5 +32,10 @@ def grpc_ok(addr: str) -> bool:
 
 
 if __name__ == "__main__":
-    target = sys.argv[1]
-    sys.exit(0 if (http_ok(target) if target.startswith(("http://", "https://")) else grpc_ok(target)) else 1)
+    p = argparse.ArgumentParser(prog="python -m tandem.healthcheck")
+    p.add_argument("target")
+    tls_mod.add_flags(p)
+    a = p.parse_args()
+    tls = tls_mod.TlsFiles(a.tls_cert, a.tls_key, a.tls_ca)
+    ok = http_ok(a.target, tls) if a.target.startswith(("http://", "https://")) else grpc_ok(a.target, tls)
+    sys.exit(0 if ok else 1)

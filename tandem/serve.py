@@ -1,7 +1,8 @@
 """`tandem serve`: the local cluster — target, draft and gateway as separate processes.
 
-Starts each, waits until all report SERVING over gRPC health, prints the endpoints, and stops
-all of them cleanly on Ctrl-C / SIGTERM (or when one of them exits).
+Starts each, waits until all report SERVING over gRPC health, prints the endpoints, restarts a
+process that exits (bounded retries with backoff: tandem/supervise.py), and stops all of them
+cleanly on Ctrl-C / SIGTERM (or when one exhausted its restarts).
 """
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.supervise import Supervisor
 
-def wait_serving(addr: str, proc: subprocess.Popen, name: str, timeout_s: float) -> None:
-    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(addr))
+
+def wait_serving(addr: str, proc: subprocess.Popen, name: str, timeout_s: float, tls=None) -> None:
+    from tandem import tls as tls_mod
+    stub = health_pb2_grpc.HealthStub(tls_mod.channel(addr, tls or tls_mod.PLAINTEXT))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -58,7 +62,17 @@ def parse(argv):
     p.add_argument("--dist-port", type=int, default=29660, help="rank-group rendezvous (target; draft: +10)")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--max-restarts", type=int, default=5, help="restarts of a process that exits, within "
+                   "10 minutes, before the cluster stops (0: stop when any exits)")
+    p.add_argument("--max-waiting", type=int, default=256, help="gateway: requests queued before new ones get "
+                   "429 / RESOURCE_EXHAUSTED (0: unbounded)")
+    p.add_argument("--max-prompt-tokens", type=int, default=0, help="gateway: longest prompt (0: the model's limit)")
+    p.add_argument("--max-output-tokens", type=int, default=0, help="gateway: largest max_tokens (0: the model's limit)")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="gateway: largest REST body / gRPC message")
+    from tandem import tls as tls_mod
+    tls_mod.add_flags(p)              # the same files for all three services (mutual TLS between them with a CA)
     a = p.parse_args(argv)
+    a.tls = tls_mod.TlsFiles(a.tls_cert, a.tls_key, a.tls_ca).validate("tandem serve")
     a.model = str(a.model or default_model())
     a.dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     return a
@@ -77,6 +91,9 @@ def commands(a) -> list[tuple[str, list[str], str]]:
               "--bridge-addr", f"127.0.0.1:{a.bridge_port}", "--num-blocks", str(a.num_blocks)]
     if a.otlp_endpoint:
         common += ["--otlp-endpoint", a.otlp_endpoint]
+    tls = [x for flag, path in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key), ("--tls-ca", a.tls_ca))
+           if path for x in (flag, path)]
+    common += tls
     sp = ["--sequence-parallel"] if a.sequence_parallel else []
     cmds = [("target", py + ["target", "--device", t_dev, "--grpc-port", str(a.target_port), "--tp", str(a.tp),
                              "--ep", str(a.ep), "--dist-addr", f"127.0.0.1:{a.dist_port}"] + sp + common,
@@ -91,14 +108,19 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                   "--draft-addr", f"127.0.0.1:{a.draft_port}",
                                   "--hidden-transport", transport, "--max-batch", str(a.max_batch),
                                   "--http-port", str(a.http_port), "--served-model-name", a.served_model_name,
-                                  "--api-key", a.api_key, "--otlp-endpoint", a.otlp_endpoint],
+                                  "--api-key", a.api_key, "--otlp-endpoint", a.otlp_endpoint,
+                                  "--max-prompt-tokens", str(a.max_prompt_tokens),
+                                  "--max-output-tokens", str(a.max_output_tokens),
+                                  "--max-request-bytes", str(a.max_request_bytes),
+                                  "--max-waiting", str(a.max_waiting)] + tls,
                  f"{a.host}:{a.grpc_port}"))
     return cmds
 
 
 def main(argv=None) -> int:
     a = parse(argv)
-    procs: list[tuple[str, subprocess.Popen]] = []
+    sup = Supervisor([(name, cmd) for name, cmd, _ in commands(a)], {**os.environ, "PYTHONUNBUFFERED": "1"},
+                     a.max_restarts)
     stopping = False
 
     def stop(*_):
@@ -107,29 +129,16 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
-        for name, cmd, addr in commands(a):
-            proc = subprocess.Popen(cmd, env=env)
-            procs.append((name, proc))
-            wait_serving(addr, proc, name, a.startup_timeout)
+        for name, _, addr in commands(a):
+            wait_serving(addr, sup.start(name), name, a.startup_timeout, a.tls)
         print(f"tandem: serving {a.model} (K={a.num_speculative_tokens}, {a.device})", flush=True)
         for name, _, addr in commands(a):
             print(f"  {name:8s} grpc://{addr}", flush=True)
-        print(f"  {'REST':8s} http://{a.host}:{a.http_port}/v1 (OpenAI-compatible; /health, /metrics)", flush=True)
-        while not stopping:
-            for name, p in procs:
-                if p.poll() is not None:
-                    print(f"tandem: {name} exited with code {p.returncode}; stopping", file=sys.stderr)
-                    stopping = True
+        print(f"  {'REST':8s} {'https' if a.tls.cert else 'http'}://{a.host}:{a.http_port}/v1 (OpenAI-compatible; "
+              f"/health, /metrics){'; TLS' if a.tls.cert else ''}", flush=True)
+        while not stopping and sup.check(lambda: stopping):    # restarts what exits (tandem/supervise.py)
             time.sleep(0.2)
     finally:
-        for _, p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for _, p in reversed(procs):
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        sup.stop()
     return 0

@@ -16,6 +16,12 @@ A service of `--tp N` is N rank processes: the cluster starts rank 0 (it starts 
 log to the same file); every service gets its own free `--dist-addr`. Several targets or drafts
 need `hidden_transport="inline"` (one bridge joins exactly one target and one draft).
 
+TLS: `Cluster(model, tls=TlsFiles(cert, key, ca))` gives every process `--tls-cert/--tls-key/--tls-ca`
+(mutual TLS between the services) and makes every channel of this helper a TLS channel with them.
+
+Faults: `c.kill("draft")` SIGKILLs a process (with its rank workers) as a crash would, and
+`c.restart("draft")` starts it again with the same command and ports, appending to its log.
+
 Every process gets free ports, `--threads 1` where the flag exists, and a log file in a temporary
 directory. Start-up waits for gRPC health SERVING on each (and, when the services run a bridge,
 for the bridge to carry a frame end to end); a process that exits early or a timeout raises with
@@ -37,6 +43,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem import tls as tls_mod
 from tandem.grpc_server import channel_options
 from tandem.v1 import draft_pb2, draft_pb2_grpc, generate_pb2_grpc, rows_pb2, target_pb2, target_pb2_grpc
 
@@ -95,7 +102,8 @@ class Cluster:
     def __init__(self, model: str | Path, k: int = 4, gateways: list[dict] | None = None,
                  hidden_transport: str = "gloo", log_dir: str | Path | None = None,
                  startup_timeout_s: float = 240.0, extra_service_args: list[str] | None = None,
-                 targets: list[dict] | None = None, drafts: list[dict] | None = None):
+                 targets: list[dict] | None = None, drafts: list[dict] | None = None,
+                 tls: tls_mod.TlsFiles | None = None):
         """gateways: one dict per gateway process: hidden_transport (default: the services'), k
         (default: `k`), max_batch, target and draft (indices into `targets` / `drafts`, default 0),
         args (extra gateway flags), env (extra environment variables).
@@ -113,6 +121,9 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout_s = startup_timeout_s
         self.extra_service_args = extra_service_args or []
+        self.tls = tls or tls_mod.PLAINTEXT
+        self.tls_args = [x for flag, path in (("--tls-cert", self.tls.cert), ("--tls-key", self.tls.key),
+                                              ("--tls-ca", self.tls.ca)) if path for x in (flag, path)]
         self.procs: list[Proc] = []
         self.gateways: list[Gateway] = []
         self._channels: list[grpc.Channel] = []
@@ -143,7 +154,8 @@ class Cluster:
         bridge_port = ports.pop()
         py = [sys.executable, "-m", "tandem"]
         common = ["--model", self.model, "--threads", "1", "--hidden-transport", self.hidden_transport,
-                  "--bridge-addr", f"127.0.0.1:{bridge_port}", "--num-blocks", "1024"] + self.extra_service_args
+                  "--bridge-addr", f"127.0.0.1:{bridge_port}", "--num-blocks", "1024"] + self.tls_args \
+            + self.extra_service_args
 
         def service(role: str, i: int, n: int, spec: dict) -> Proc:
             name = spec.get("name", role if n == 1 else f"{role}{i}")
@@ -162,7 +174,7 @@ class Cluster:
             cmd = py + ["gateway", "--model", self.model, "-k", str(k), "--grpc-port", str(port),
                         "--http-port", str(http_port),
                         "--target-addr", targets[t].addr, "--draft-addr", drafts[d].addr,
-                        "--hidden-transport", transport, "--max-batch", str(spec.get("max_batch", 64))]
+                        "--hidden-transport", transport, "--max-batch", str(spec.get("max_batch", 64))] + self.tls_args
             proc = Proc(name, cmd + list(spec.get("args", [])), f"127.0.0.1:{port}", self.log_dir / f"{name}.log",
                         env=dict(spec.get("env", {})))
             gws.append((proc, transport, k, t, d, f"http://127.0.0.1:{http_port}"))
@@ -183,21 +195,43 @@ class Cluster:
         if self.hidden_transport != "inline":
             self.wait_bridge(deadline)
 
-    def _spawn(self, p: Proc) -> None:
+    def _spawn(self, p: Proc, again: bool = False) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **p.env}
-        with open(p.log, "wb") as f:
+        with open(p.log, "ab" if again else "wb") as f:
             p.popen = subprocess.Popen(p.cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
-        self.procs.append(p)
+        if not again:
+            self.procs.append(p)
+
+    # --- faults (tests/test_faults.py) -------------------------------------------------------------
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def kill(self, name: str, whole_session: bool = True) -> None:
+        """SIGKILL a process as a crash would: with its rank workers (its session), or only itself."""
+        p = self.proc(name)
+        if whole_session:
+            self._kill_session(p)
+        else:
+            p.popen.kill()
+        p.popen.wait(timeout=30)
+
+    def restart(self, name: str, wait: bool = True) -> None:
+        """Start a killed process again: the same command, ports and environment; its log is appended to."""
+        p = self.proc(name)
+        assert p.popen.poll() is not None, f"{name} is still running"
+        self._spawn(p, again=True)
+        if wait:
+            self.wait_serving(p, time.monotonic() + self.startup_timeout_s)
 
     def channel(self, addr: str) -> grpc.Channel:
-        ch = grpc.insecure_channel(addr, options=channel_options())
+        ch = tls_mod.channel(addr, self.tls, options=channel_options())
         self._channels.append(ch)
         return ch
 
     def wait_serving(self, p: Proc, deadline: float) -> None:
         """Poll gRPC health until SERVING; fail at once if the process exits."""
-        ch = grpc.insecure_channel(p.addr)
+        ch = tls_mod.channel(p.addr, self.tls)
         try:
             stub = health_pb2_grpc.HealthStub(ch)
             while True:
@@ -262,7 +296,7 @@ class Cluster:
             time.sleep(0.2)
 
     def health(self, addr: str, service: str = "") -> int:
-        ch = grpc.insecure_channel(addr)
+        ch = tls_mod.channel(addr, self.tls)
         try:
             return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                         timeout=5).status

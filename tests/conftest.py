@@ -19,6 +19,7 @@ from models.runner import forward_tokens, new_cache
 from models.tiny import TINY_CONFIG, init_random_
 
 from api_cluster import api_cluster  # noqa: F401,E402  (session fixture: the API tests' shared cluster)
+from fuzz_cluster import fuzz_cluster  # noqa: F401,E402  (session fixture: the hostile-input tests' cluster)
 
 # Tiny tensors: one thread is fastest, and avoids OpenMP spin-wait collapse on a busy 2-core box
 # (seen: 0.2 s -> 30 s for test_kv_cache.py). Also keeps reductions in one fixed order.

@@ -10,11 +10,19 @@ cudaMalloc, a pageable copy) on that side. A request goes through the store; the
 (so the draft can time out on the CPU without posting anything) and then sends a frame:
 a header [transfer_id, rows, bytes per row, dtype] and the payload as bytes, on the channel's own
 CUDA stream. Parked rows not pulled within PARK_TTL_S are dropped.
+
+Handshake: before any process group exists, each side publishes its `hello` (model identity and
+contract version) in the store and reads its peer's; a mismatch ends the channel on both sides with
+an error naming both values, so rows never move between different models.
+The store's server listens on the bridge address's host only (loopback by default), never on all
+interfaces: TCPStore binds every interface unless handed a socket (`tcp_store`).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -28,17 +36,35 @@ _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
 
 
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore whose server (is_master) listens on `host`'s address only."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sock.detach())         # the store owns the fd from here
+
+
+class HandshakeError(RuntimeError):
+    """Target and draft are not the same model (or not the same contract)."""
+
+
 class RowChannel:
     def __init__(self, address: str, role: str, backend: str = "gloo", device: str = "cpu",
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, hello: dict | None = None):
         if role not in ("sender", "receiver"):
             raise ValueError(f"role must be sender or receiver, got {role!r}")
         host, port = address.rsplit(":", 1)
         self.role, self.backend, self.device = role, backend, torch.device(device)
         self.rank, self.peer = (0, 1) if role == "sender" else (1, 0)
         self._timeout = timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(host, int(port), 2, role == "sender", timeout=self._timeout,
-                                    wait_for_workers=False)
+        self._store = tcp_store(host, int(port), 2, role == "sender", self._timeout)
+        self.hello = dict(hello or {})                # what the peer must match: model_identity, contract_version
         self._prefix = "tandem-bridge/0/"
         self._pg = None
         self._ready = threading.Event()
@@ -57,6 +83,7 @@ class RowChannel:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)   # the current device is per thread
+            self._handshake()
             store = dist.PrefixStore(self._prefix + "pg", self._store)
             if self.backend == "nccl":
                 self._pg = dist.ProcessGroupNCCL(store, self.rank, 2)
@@ -69,6 +96,20 @@ class RowChannel:
         except Exception as e:  # the channel is gone; the target falls back to inline rows
             self.error = f"{type(e).__name__}: {e}"
             log.error("bridge %s failed: %s", self.role, self.error)
+
+    def _handshake(self) -> None:
+        """Publish hello, wait for the peer's; HandshakeError naming both sides' values on a mismatch."""
+        peer_role = "receiver" if self.role == "sender" else "sender"
+        self._store.set(f"{self._prefix}hello/{self.role}", json.dumps(self.hello))
+        key = f"{self._prefix}hello/{peer_role}"
+        self._store.wait([key], self._timeout)
+        peer = json.loads(self._store.get(key))
+        target, draft = (self.hello, peer) if self.role == "sender" else (peer, self.hello)
+        bad = [f"{k}: target {target.get(k)!r}, draft {draft.get(k)!r}"
+               for k in sorted(set(target) | set(draft)) if target.get(k) != draft.get(k)]
+        if bad:
+            raise HandshakeError("target and draft are not the same model; refusing to pair on the hidden-rows "
+                                 "bridge (" + "; ".join(bad) + ")")
 
     # --- sender (target) -----------------------------------------------------------------------
     def send(self, transfer_id: int, rows: torch.Tensor) -> None:
@@ -109,7 +150,7 @@ class RowChannel:
     # --- receiver (draft) ----------------------------------------------------------------------
     def take(self, transfer_id: int, timeout_s: float) -> torch.Tensor:
         """Pull the rows of `transfer_id` [N, D]; TimeoutError if the target does not answer."""
-        if not self._ready.wait(timeout_s) or self.error:
+        if self.error or not self._ready.wait(timeout_s) or self.error:    # a failed channel answers at once
             raise TimeoutError(f"hidden rows bridge not connected" + (f": {self.error}" if self.error else ""))
         with self._lock:                              # one pull at a time, in order
             n = self._pulls
@@ -121,9 +162,9 @@ class RowChannel:
             except Exception:
                 self.error = f"target did not answer pull {n} within {timeout_s:.1f}s"
                 raise TimeoutError(f"hidden rows transfer {transfer_id}: {self.error}") from None
-            if self._store.get(ack) != b"1":
-                raise TimeoutError(f"hidden rows transfer {transfer_id} is not held by the target "
-                                   f"(expired or never sent)")
+            if self._store.get(ack) != b"1":        # a LookupError: the caller answers NOT_FOUND
+                raise LookupError(f"hidden rows transfer {transfer_id} is not held by the target "
+                                  f"(expired, already taken, or never sent)")
             with _on(self._stream):
                 header = torch.empty(4, dtype=torch.int64, device=self.device)
                 self._pg.recv([header], self.peer, 0).wait()

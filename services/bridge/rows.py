@@ -7,6 +7,8 @@ count, which the services turn into INVALID_ARGUMENT / FAILED_PRECONDITION.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -50,6 +52,8 @@ def check(desc: pb.HiddenRows, expected: dict[str, int], hidden_size: int, dtype
         raise ContractError(code, f"hidden rows contract: {msg}")
     if len(desc.request_ids) != len(desc.rows_per_request):
         fail(f"request_ids has {len(desc.request_ids)} entries, rows_per_request {len(desc.rows_per_request)}")
+    if len(set(desc.request_ids)) != len(desc.request_ids):
+        fail("request_ids names a request twice")
     total = sum(desc.rows_per_request)
     if desc.layout == pb.ROW_LAYOUT_FULL:
         if desc.num_rows != total:
@@ -67,7 +71,7 @@ def check(desc: pb.HiddenRows, expected: dict[str, int], hidden_size: int, dtype
     if desc.hidden_size != hidden_size:
         fail(f"hidden_size is {desc.hidden_size}, expected {hidden_size}")
     if PB_TO_DTYPE.get(desc.dtype) != dtype:
-        fail(f"dtype is {pb.DType.Name(desc.dtype)}, expected {pb.DType.Name(DTYPE_TO_PB[dtype])}")
+        fail(f"dtype is {_dtype_name(desc.dtype)}, expected {_dtype_name(DTYPE_TO_PB[dtype])}")
     got = dict(zip(desc.request_ids, desc.rows_per_request))
     for rid, n in expected.items():
         if got.get(rid, n) != n:
@@ -79,6 +83,28 @@ def check(desc: pb.HiddenRows, expected: dict[str, int], hidden_size: int, dtype
             fail(f"inline payload holds {len(desc.inline_data) / row_bytes:g} rows, num_rows is {desc.num_rows}")
     elif desc.transport != pb.TRANSPORT_BRIDGE:
         fail(f"transport {desc.transport} is not INLINE or BRIDGE")
+
+
+def _dtype_name(v: int) -> str:
+    return pb.DType.Name(v) if v in pb.DType.values() else f"{v} (not a DType)"
+
+
+def check_finite(rows: torch.Tensor, field: str) -> None:
+    """Rows that arrived must be finite: a NaN or inf row would reach the MTP layer and every draft."""
+    bad = ~torch.isfinite(rows).all(dim=-1)
+    if bool(bad.any()):
+        raise ContractError("INVALID_ARGUMENT", f"hidden rows contract: {field} holds non-finite values "
+                            f"(NaN or inf) in {int(bad.sum())} of {rows.shape[0]} rows, first at row "
+                            f"{int(bad.nonzero()[0, 0])}")
+
+
+def check_sampling(rid: str, s: pb.SamplingParams) -> None:
+    """Both services: temperature a finite number >= 0, top_p in [0, 1] (NaN and inf refused)."""
+    for name, v, ok in (("temperature", s.temperature, math.isfinite(s.temperature) and s.temperature >= 0),
+                        ("top_p", s.top_p, 0 <= s.top_p <= 1)):
+        if not ok:
+            raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: sampling.{name} is {v}, expected "
+                               + ("a finite number >= 0" if name == "temperature" else "a number in [0, 1]"))
 
 
 def check_payload(desc: pb.HiddenRows, rows: torch.Tensor) -> None:

@@ -59,6 +59,11 @@ class DraftEngine:
             if not it.new_token_ids or (not known and len(it.new_token_ids) < 2):
                 raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: new_token_ids has "
                                    f"{len(it.new_token_ids)} tokens, a new request needs its prompt and first token")
+            end = it.position + len(it.new_token_ids) + it.num_draft_tokens     # cache positions after this round
+            if end > self.max_model_len:
+                raise ServiceError("OUT_OF_RANGE", f"request {rid!r}: position {it.position} + "
+                                   f"{len(it.new_token_ids)} new tokens + {it.num_draft_tokens} drafts exceed "
+                                   f"max_model_len {self.max_model_len}")
             out[rid] = len(it.new_token_ids) - (not known)
         return out
 

@@ -8,8 +8,8 @@ import time
 import torch
 
 from services.bridge.channel import RowChannel
-from services.bridge.rows import (ServiceError, check, check_payload, decode_inline,
-                                  rows_by_request)
+from services.bridge.rows import (ServiceError, check, check_finite, check_payload, check_sampling,
+                                  decode_inline, rows_by_request)
 from services.config import ServiceConfig
 from services.ranks import RankGroup, run_service, service_info
 from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
@@ -27,9 +27,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _item(self, it) -> ProposeItem:
         s = it.sampling
+        check_sampling(it.request_id, s)
+        if it.num_draft_tokens > self.cfg.max_draft_tokens:
+            raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: num_draft_tokens is "
+                               f"{it.num_draft_tokens}, this draft proposes at most {self.cfg.max_draft_tokens} "
+                               "(--max-draft-tokens)")
         gen = None
-        if s.temperature > 0:
-            gen = torch.Generator().manual_seed((s.seed + 1) if s.HasField("seed") else torch.seed())
+        if s.temperature > 0:                # seed + 1: a stream apart from the target's; wraps at 2**64 (uint64)
+            gen = torch.Generator().manual_seed((s.seed + 1) % (1 << 64) if s.HasField("seed") else torch.seed())
         return ProposeItem(it.request_id, list(it.new_token_ids), it.num_draft_tokens,
                            DraftSampling(s.temperature, s.top_k, s.top_p, gen), it.position)
 
@@ -37,7 +42,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         """Check every row set against `expected` before touching it; -> request id -> rows [n, D]."""
         out: dict[str, torch.Tensor] = {}
         dtype = self.engine.model.lm_head.weight.dtype
-        for desc in request.hidden_rows:
+        for i, desc in enumerate(request.hidden_rows):
             mine = {r: expected[r] for r in desc.request_ids if r in expected}
             try:
                 check(desc, mine, self.hidden_size, dtype)
@@ -46,14 +51,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                        f"got layout {rows_pb2.RowLayout.Name(desc.layout)}")
                 if desc.transport == rows_pb2.TRANSPORT_INLINE:
                     rows = decode_inline(desc, self.cfg.device)
+                    check_finite(rows, f"hidden_rows[{i}].inline_data")
                 else:
                     if self.channel is None:
                         raise ServiceError("FAILED_PRECONDITION", "rows sent on the bridge, but this draft "
                                            "runs with --hidden-transport inline")
                     rows = self.channel.take(desc.transfer_id, self.cfg.bridge_timeout_s)
                     check_payload(desc, rows)
+                    check_finite(rows, f"hidden_rows[{i}] (bridge transfer {desc.transfer_id})")
             except TimeoutError as e:
                 raise ServiceError("UNAVAILABLE", str(e)) from None
+            except LookupError as e:         # no such transfer parked on the target
+                raise ServiceError("NOT_FOUND", str(e)) from None
             except ServiceError:
                 if desc.transport == rows_pb2.TRANSPORT_BRIDGE and self.channel is not None:
                     self.channel.discard(desc.transfer_id)
@@ -72,6 +81,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Propose(self, request, context):
         try:
             with self.lock:
+                # expired while waiting for the lock: do nothing. (A bridge pull, once asked for,
+                # is never cut short by the deadline: a pull given up leaves the channel out of step.)
+                grpc_server.time_left(context)
                 items = [self._item(it) for it in request.items]
                 expected = self.engine.expected_rows(items)
                 t0 = time.perf_counter()
@@ -88,10 +100,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             transfer_seconds=transfer_s)
 
     def Release(self, request, context):
-        with self.lock:
-            return target_pb2.ReleaseResponse(released=self.group.call("release", list(request.request_ids)))
+        try:
+            with self.lock:
+                return target_pb2.ReleaseResponse(released=self.group.call("release", list(request.request_ids)))
+        except ServiceError as e:             # the rank group broke: UNAVAILABLE, not a traceback
+            grpc_server.abort(context, e.code, str(e))
 
     def GetInfo(self, request, context):
+        if self.group.broken:                 # exiting to be restarted: not back for a gateway's check
+            grpc_server.abort(context, "UNAVAILABLE", self.group.broken)
         return service_info(self.cfg, self.engine, len(self.engine.committed))
 
 

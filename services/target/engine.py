@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.speculative import greedy_verify, rejection_sample, sampling_probs
+from kernels.dispatch import greedy_verify, rejection_sample, sampling_probs
 from models.kv_cache import CacheFullError, PagedKVCache
 from services.bridge.rows import ServiceError, expect_rows
 
@@ -183,6 +183,33 @@ class TargetEngine:
         lps = [token_logprobs(logits[keep.to(logits.device)], toks, n) if n is not None else []
                for keep, toks, n in zip(keep_rows, out_tokens, logprobs)]
         return accepted.tolist(), out_tokens, rows, lps
+
+    @torch.inference_mode()
+    def recompute_rows(self, items: list[tuple[str, list[int]]]) -> torch.Tensor:
+        """items: (request id, its committed tokens) -> final-norm hidden rows of every position but
+        the last [sum(len - 1), D], for a draft that lost its cache. Runs on scratch cache entries
+        (freed before returning): the requests' own cache and state are not touched."""
+        if len({rid for rid, _ in items}) != len(items):
+            raise ServiceError("INVALID_ARGUMENT", "request ids in one RecomputeRows must be unique")
+        for rid, toks in items:
+            r = self.requests.get(rid)
+            if r is None:
+                raise ServiceError("FAILED_PRECONDITION", f"request {rid!r} is not running on the target")
+            if len(toks) != r.num_tokens or toks[-1] != r.pending_token:
+                raise ServiceError("FAILED_PRECONDITION", f"request {rid!r}: token_ids has {len(toks)} tokens "
+                                   f"ending in {toks[-1] if toks else None}, the target holds {r.num_tokens} "
+                                   f"ending in {r.pending_token}")
+            self._check_tokens(rid, "token_ids", toks)          # an id >= vocab indexed past the embedding
+        scratch = {f"{rid}\0rows": toks[:-1] for rid, toks in items}    # >= 1 token each (num_tokens >= 2)
+        if any(sid in self.cache for sid in scratch):
+            raise ServiceError("ALREADY_EXISTS", "a request id of this RecomputeRows is taken by a running request")
+        for sid in scratch:
+            self.cache.allocate(sid)
+        try:
+            return self._forward(scratch)
+        finally:
+            for sid in scratch:
+                self.cache.release(sid)
 
     def release(self, ids: list[str]) -> int:
         n = 0

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from services.bridge.channel import RowChannel
-from services.bridge.rows import ServiceError, describe
+from services.bridge.rows import ServiceError, check_sampling, describe
 from services.config import ServiceConfig
 from services.ranks import RankGroup, run_service, service_info
 from services.target.engine import Sampling, TargetEngine
@@ -49,12 +49,25 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _guard(self, context, fn):
         try:
             with self.lock:
+                grpc_server.time_left(context)       # expired while waiting for the lock: do nothing
                 return fn()
         except ServiceError as e:
             grpc_server.abort(context, e.code, str(e))
 
+    def _limits(self, it, drafts: int = 0) -> None:
+        """Per item, before any work: the configured caps on top-n logprobs and drafts per request."""
+        if it.HasField("logprobs") and it.logprobs > self.cfg.max_logprobs:
+            raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: logprobs is {it.logprobs}, this "
+                               f"target returns at most {self.cfg.max_logprobs} alternatives (--max-logprobs)")
+        if drafts > self.cfg.max_draft_tokens:
+            raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: {drafts} draft tokens, this target "
+                               f"verifies at most {self.cfg.max_draft_tokens} per request (--max-draft-tokens)")
+
     def Prefill(self, request, context):
         def run():
+            for it in request.items:
+                check_sampling(it.request_id, it.sampling)
+                self._limits(it)
             items = [(it.request_id, list(it.prompt_token_ids), sampling_from_pb(it.sampling)) for it in request.items]
             if not items:
                 raise ServiceError("INVALID_ARGUMENT", "items is empty")
@@ -79,6 +92,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             V = self.engine.vocab_size
             items = []
             for it in request.items:
+                self._limits(it, len(it.draft_token_ids))
                 q = None
                 if it.draft_probs:
                     k = len(it.draft_token_ids)
@@ -106,11 +120,27 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return target_pb2.VerifyResponse(results=results, hidden_rows=desc)
         return self._guard(context, run)
 
+    def RecomputeRows(self, request, context):
+        def run():
+            items = [(it.request_id, list(it.token_ids)) for it in request.items]
+            if not items:
+                raise ServiceError("INVALID_ARGUMENT", "items is empty")
+            with tracing.span("target.recompute_rows", requests=len(items), tokens=sum(len(t) for _, t in items)):
+                rows = self.group.call("recompute_rows", items)
+            return target_pb2.RecomputeRowsResponse(hidden_rows=self._rows(
+                True, request.transport, [rid for rid, _ in items], [len(t) - 1 for _, t in items], rows))
+        return self._guard(context, run)
+
     def Release(self, request, context):
-        with self.lock:
-            return target_pb2.ReleaseResponse(released=self.group.call("release", list(request.request_ids)))
+        try:
+            with self.lock:
+                return target_pb2.ReleaseResponse(released=self.group.call("release", list(request.request_ids)))
+        except ServiceError as e:             # the rank group broke: UNAVAILABLE, not a traceback
+            grpc_server.abort(context, e.code, str(e))
 
     def GetInfo(self, request, context):
+        if self.group.broken:                 # exiting to be restarted: not back for a gateway's check
+            grpc_server.abort(context, "UNAVAILABLE", self.group.broken)
         return service_info(self.cfg, self.engine, len(self.engine.requests))
 
 

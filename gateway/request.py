@@ -1,0 +1,86 @@
+"""One generation's state as the scheduler keeps it, the events it streams, its spec-decode counters
+and the observer hooks (metrics) the scheduler calls."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.text import TextStream
+from tandem.v1 import rows_pb2
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, k: int, accepted: int) -> None:
+        if k <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += accepted
+        self.accepted_per_position += [0] * (k - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
+class Event:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None      # "stop" | "length" | None
+    error: tuple[grpc.StatusCode, str] | None = None
+    logprobs: list = field(default_factory=list)   # target_pb2.TokenLogprob per token, when asked
+
+
+class Observer:
+    """Hooks for metrics (gateway/metrics.py); the base does nothing."""
+
+    def phase(self, name: str, seconds: float) -> None:
+        """A round phase took `seconds`: prefill | propose | transfer | verify."""
+
+    def tokens(self, r: "GenRequest", n: int, now: float) -> None:
+        """`n` new tokens were committed for r (before r.first_token_time / last_token_time move)."""
+
+    def finished(self, r: "GenRequest", reason: str | None, now: float) -> None:
+        """r ended: "stop" | "length", or None (failed or cancelled)."""
+
+
+@dataclass
+class GenRequest:
+    id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: rows_pb2.SamplingParams
+    text: TextStream
+    ignore_eos: bool = False
+    k: int = 0                                               # draft tokens per round
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    speculate: bool = True                                   # the draft holds its state and proposes for it
+    stale: bool = False                                      # wants drafts, but the draft's cache of it is lost
+    draft_tokens: list[int] = field(default_factory=list)   # committed, not yet given to the draft
+    draft_position: int = 0                                  # index of draft_tokens[0]
+    rows: rows_pb2.HiddenRows | None = None                  # the row set holding their rows
+    finished: bool = False
+    cancelled: bool = False                                  # client gone while a call held it
+    arrival: float = field(default_factory=time.monotonic)
+    logprobs: int | None = None                              # top-n per output token; None: none
+    prompt_logprobs: bool = False                            # score the prompt (echo + logprobs)
+    prompt_lps: list = field(default_factory=list)           # TokenLogprob for prompt tokens 1..T-1
+    span: object = None                                      # the client request's tracing span
+    eos: tuple | None = None                                 # (EOS id, its TokenLogprob) when EOS ended it
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    deadline: float | None = None                            # time.monotonic() by which the client gives up

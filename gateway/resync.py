@@ -1,0 +1,78 @@
+"""Re-sync the draft's cache of running requests after it was lost (the draft restarted) or became
+unknown (a Propose failed or timed out: it may or may not have run).
+
+The draft's cache is derived state: it is rebuilt from each request's committed tokens and the
+target's hidden rows for them. The gateway first drops whatever the draft still holds of the
+requests (Release, awaited, so nothing of the old state can overtake what follows), then asks the
+target to recompute the rows of every committed position but the last (RecomputeRows: scratch
+cache entries, the request's own cache untouched), and the next Propose gives each request to the
+draft as new: position 0, all committed tokens, one row per token but the last.
+
+Invariant: a request proposes again only after all three steps; until then it decodes without
+drafts (its tokens come from the target either way, so greedy output equals K = 0 throughout).
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from tandem.v1 import target_pb2
+
+log = logging.getLogger("tandem.gateway")
+RESYNC_TOKENS = 8192          # committed tokens per RecomputeRows call (bounds its scratch cache and message)
+CONTRACT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def chunks(reqs: list, limit: int = RESYNC_TOKENS) -> list[list]:
+    out, cur, n = [], [], 0
+    for r in reqs:
+        size = len(r.prompt_ids) + len(r.output_ids)
+        if cur and n + size > limit:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(r)
+        n += size
+    return out + ([cur] if cur else [])
+
+
+async def resync(s, reqs: list) -> None:
+    """Scheduler `s`: make the stale requests `reqs` ready to propose as new requests."""
+    try:
+        await s.draft.Release(target_pb2.ReleaseRequest(request_ids=[r.id for r in reqs]), timeout=s.draft_timeout)
+    except grpc.aio.AioRpcError as e:
+        s.draft_lost(f"draft Release before a re-sync failed ({e.code().name}: {e.details()})")
+        return
+    done = 0
+    for chunk in chunks(reqs):
+        req = target_pb2.RecomputeRowsRequest(transport=s.transport, items=[target_pb2.RecomputeItem(
+            request_id=r.id, token_ids=list(r.prompt_ids) + list(r.output_ids)) for r in chunk])
+        try:
+            resp = await s.target.RecomputeRows(req, timeout=s.timeout)
+        except grpc.aio.AioRpcError as e:
+            give_up(s, chunk, e)
+            continue
+        for r in chunk:
+            r.stale, r.speculate = False, True
+            r.draft_tokens, r.draft_position, r.rows = list(r.prompt_ids) + list(r.output_ids), 0, resp.hidden_rows
+        done += len(chunk)
+    s.avail.resynced += done
+    if done:
+        log.info("re-synced the draft's cache of %d running requests", done)
+
+
+def give_up(s, chunk: list, e: grpc.aio.AioRpcError) -> None:
+    """RecomputeRows failed. A contract error (the gateway's committed tokens disagree with the
+    target's) fails the requests; UNAVAILABLE leaves them stale (the round fails them anyway if the
+    target is gone); anything else (RESOURCE_EXHAUSTED: no room for the scratch cache) lets them
+    finish without drafts."""
+    if e.code() in CONTRACT_CODES:
+        for r in chunk:
+            s._fail(r, e.code(), f"target RecomputeRows: {e.details()}")
+    elif e.code() == grpc.StatusCode.UNAVAILABLE:
+        s.target_lost(f"RecomputeRows failed: {e.details()}")
+    else:
+        log.warning("re-sync of %d requests failed (%s: %s); they finish without drafts",
+                    len(chunk), e.code().name, e.details())
+        for r in chunk:
+            r.stale = False

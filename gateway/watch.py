@@ -1,0 +1,98 @@
+"""The gateway watches the target and the draft: gRPC health every WATCH_INTERVAL_S and, while the
+gateway holds a service for down, a GetInfo that must still describe the model the gateway started
+with before the service counts as back (a restarted target of another model stays down).
+
+A check that fails UNAVAILABLE (nothing listens: the process crashed or is restarting) puts the
+service down at once; other failures (no answer within CHECK_TIMEOUT_S) only after MISSES in a row:
+a service whose threads are all busy is slow, not down. The gateway's client channels retry a lost
+connection at least every second (RECONNECT_OPTIONS; gRPC's default backoff grows to two minutes),
+so a restarted service is seen about a second after it serves.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.v1 import target_pb2
+
+log = logging.getLogger("tandem.gateway")
+WATCH_INTERVAL_S = 0.5
+CHECK_TIMEOUT_S = 2.0
+MISSES = 3
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
+LOAD_FIELDS = {"kv_blocks_total", "kv_blocks_free", "running_requests"}     # may differ after a restart
+
+
+def info_changes(before: target_pb2.InfoResponse, now: target_pb2.InfoResponse) -> list[str]:
+    """The fields of two GetInfo answers that differ, other than the load-dependent ones."""
+    a, b = (MessageToDict(m, preserving_proto_field_name=True) for m in (before, now))
+    return [f"{k}: was {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k not in LOAD_FIELDS and a.get(k) != b.get(k)]
+
+
+class ServiceWatch:
+    """Polls one service. `is_down()`: whether the gateway holds it for down now (set by this watch
+    or by a failed call); `on_down(reason)` / `on_up()`: report what a check found."""
+
+    def __init__(self, name: str, channel: grpc.aio.Channel, stub, info: target_pb2.InfoResponse,
+                 is_down, on_down, on_up, interval_s: float = WATCH_INTERVAL_S):
+        self.name, self.stub, self.info = name, stub, info
+        self.health = health_pb2_grpc.HealthStub(channel)
+        self.is_down, self.on_down, self.on_up, self.interval_s = is_down, on_down, on_up, interval_s
+
+    async def run(self) -> None:
+        misses = 0
+        while True:
+            try:
+                why, hard = await self._check()
+                misses = 0 if why is None else misses + 1
+                if why is not None and (hard or misses >= MISSES):
+                    self.on_down(why)
+                elif why is None and self.is_down():
+                    changed = await self._changed()
+                    if changed is None:
+                        self.on_up()
+                    elif changed:
+                        self.on_down(f"{self.name} came back serving another model ({'; '.join(changed)})")
+            except Exception:                    # the watch must outlive any surprise
+                log.exception("watching the %s failed", self.name)
+            await asyncio.sleep(self.interval_s)
+
+    async def _check(self) -> tuple[str | None, bool]:
+        """-> (None, _) when SERVING, else (why, whether it is certainly down)."""
+        try:
+            resp = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=CHECK_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            return f"{self.name} health check: {e.code().name}: {e.details()}", e.code() == grpc.StatusCode.UNAVAILABLE
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            return f"{self.name} health: {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}", True
+        return None, False
+
+    async def _changed(self) -> list[str] | None:
+        """None: the same model as at start; a list of differences; [] when GetInfo failed (retry)."""
+        try:
+            now = await self.stub.GetInfo(target_pb2.InfoRequest(), timeout=CHECK_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return []
+        changes = info_changes(self.info, now)
+        if changes:
+            log.error("%s came back serving another model: %s", self.name, "; ".join(changes))
+        return changes or None
+
+
+def start(scheduler, target: tuple, draft: tuple | None) -> list[asyncio.Task]:
+    """Watch tasks for the target and (when speculating) the draft; each tuple is (channel, stub,
+    its GetInfo at start). A lost draft degrades speculation (scheduler.draft_lost) and one that
+    answers again resumes it; a lost target refuses new requests until it is back."""
+    av = scheduler.avail
+    tasks = [asyncio.ensure_future(ServiceWatch("target", *target, lambda: av.target_down is not None,
+                                                scheduler.target_lost, av.target_answers).run())]
+    if draft is not None:
+        tasks.append(asyncio.ensure_future(ServiceWatch("draft", *draft, lambda: av.degraded is not None,
+                                                        scheduler.draft_lost, av.draft_answers).run()))
+    return tasks

@@ -1,0 +1,104 @@
+"""One entry point per kernel: the Triton kernel when its tensors are on CUDA and Triton imports, else the
+PyTorch reference. Callers (services, models) import from here.
+
+TANDEM_KERNELS=auto (default) | reference | triton forces the choice, read at each call:
+  reference  the PyTorch reference everywhere;
+  triton     the Triton kernel everywhere (an error if Triton does not import; CPU tensors need
+             TRITON_INTERPRET=1 set before the kernels are first imported: the interpreter, for tests).
+The two agree exactly (tests/test_triton_kernels.py), so the choice changes speed, never tokens.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from kernels import rows as _ref_rows
+from kernels import speculative as _ref_spec
+from kernels.speculative import sampling_probs  # noqa: F401  (no Triton kernel: always the reference)
+
+ENV = "TANDEM_KERNELS"
+MODES = ("auto", "reference", "triton")
+_triton_ok: bool | None = None
+
+
+def triton_available() -> bool:
+    """Triton imports (checked once)."""
+    global _triton_ok
+    if _triton_ok is None:
+        try:
+            importlib.import_module("triton")
+            _triton_ok = True
+        except Exception:  # ImportError, or a broken install (driver / compiler missing)
+            _triton_ok = False
+    return _triton_ok
+
+
+def mode() -> str:
+    m = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if m not in MODES:
+        raise ValueError(f"{ENV}={m!r}: expected one of {', '.join(MODES)}")
+    return m
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the kernel for main tensor x (the one that fixes the device) runs in Triton."""
+    m = mode()
+    if m == "reference":
+        return False
+    if m == "triton":
+        if not triton_available():
+            raise RuntimeError(f"{ENV}=triton but triton does not import")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(f"{ENV}=triton with {x.device} tensors needs TRITON_INTERPRET=1 (the interpreter)")
+        return True
+    return x.is_cuda and triton_available()
+
+
+def _spec():
+    return importlib.import_module("kernels.triton_speculative")   # imported on first use: triton is heavy
+
+
+def _rows():
+    return importlib.import_module("kernels.triton_rows")
+
+
+def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):
+    """target_ids [B, K+1], draft_ids [B, K], num_drafts [B] -> accepted [B], emitted [B, K+1]."""
+    if use_triton(target_ids):
+        return _spec().greedy_verify_triton(target_ids, draft_ids, num_drafts)
+    return _ref_spec.greedy_verify(target_ids, draft_ids, num_drafts)
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                     uniform: torch.Tensor, exp_noise: torch.Tensor):
+    """p [B, K+1, V], q [B, K, V], draft_ids [B, K], num_drafts [B], uniform [B, K], exp_noise [B, V]
+    -> accepted [B], emitted [B, K+1]."""
+    if use_triton(p):
+        return _spec().rejection_sample_triton(p, q, draft_ids, num_drafts, uniform, exp_noise)
+    return _ref_spec.rejection_sample(p, q, draft_ids, num_drafts, uniform, exp_noise)
+
+
+def prepare_mtp_inputs(tokens: torch.Tensor, hidden: torch.Tensor, starts: torch.Tensor, num_rows: torch.Tensor,
+                       next_tokens: torch.Tensor, total_rows: int | None = None, max_rows: int | None = None):
+    """tokens [N], hidden [N, D], starts [B], num_rows [B], next_tokens [B] -> input_ids [R], rows [R, D].
+    total_rows / max_rows: host-known sizes that spare the Triton path a device read-back."""
+    if use_triton(hidden):
+        return _rows().prepare_mtp_inputs_triton(tokens, hidden, starts, num_rows, next_tokens, total_rows, max_rows)
+    return _ref_rows.prepare_mtp_inputs(tokens, hidden, starts, num_rows, next_tokens)
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    # x: [N, D] -> [ceil(N / multiple) * multiple, D], zero rows appended
+    return _rows().pad_rows_triton(x, multiple) if use_triton(x) else _ref_rows.pad_rows(x, multiple)
+
+
+def pad_shard_rows(x: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    # x: [N, D] -> rank's [ceil(N / tp), D] of pad_rows(x, tp)
+    return _rows().pad_shard_rows_triton(x, tp, rank) if use_triton(x) else _ref_rows.pad_shard_rows(x, tp, rank)
+
+
+def trim_rows(gathered: torch.Tensor, n: int) -> torch.Tensor:
+    # gathered: [tp * S, D] -> [n, D] (the reference returns a view, the kernel a contiguous copy)
+    return _rows().trim_rows_triton(gathered, n) if use_triton(gathered) else _ref_rows.trim_rows(gathered, n)

@@ -1,0 +1,126 @@
+"""Triton kernels of the acceptance math: greedy verification and lossless rejection sampling.
+
+Same signatures, semantics and outputs as kernels/speculative.py (the reference they are tested
+against): accepted [B] int64, emitted [B, K+1] padded with -1 after the accepted + 1 valid tokens.
+One program per request. The K draft positions are tested as one vector (K is small): the accepted
+length is the first position that fails, found with a min-reduction (position K always fails, so
+accepted <= K). Rejection sampling then runs the exponential race argmax(w / E) over V in blocks,
+for the residual max(0, p_a - q_a) and for p_a at once, so p, q and E are read once.
+
+Runs compiled on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _greedy_verify_kernel(target_ptr, draft_ptr, nd_ptr, acc_ptr, out_ptr,
+                          s_tb, s_tk, s_db, s_dk, s_ob, s_ok, K,
+                          BLOCK_K: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.arange(0, BLOCK_K)                                   # verified positions 0 .. K (< BLOCK_K)
+    n = tl.load(nd_ptr + b)
+    tgt = tl.load(target_ptr + b * s_tb + pos * s_tk, mask=pos <= K, other=0)
+    d = tl.load(draft_ptr + b * s_db + pos * s_dk, mask=pos < K, other=0)
+    ok = (d == tgt) & (pos < n) & (pos < K)
+    a = tl.min(tl.where(ok, BLOCK_K, pos), 0)                     # first failing position: accepted
+    tl.store(acc_ptr + b, a.to(tl.int64))
+    tl.store(out_ptr + b * s_ob + pos * s_ok, tl.where(pos <= a, tgt, -1), mask=pos <= K)
+
+
+def greedy_verify_triton(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):
+    """target_ids [B, K+1], draft_ids [B, K], num_drafts [B] -> accepted [B], emitted [B, K+1]
+    (kernels.speculative.greedy_verify). Small inputs move to target_ids' device."""
+    B, K = draft_ids.shape
+    dev = target_ids.device
+    draft_ids, num_drafts = draft_ids.to(dev), num_drafts.to(dev)
+    accepted = torch.empty(B, dtype=torch.long, device=dev)
+    emitted = torch.empty(B, K + 1, dtype=target_ids.dtype, device=dev)
+    if B:
+        _greedy_verify_kernel[(B,)](target_ids, draft_ids, num_drafts, accepted, emitted,
+                                    *target_ids.stride(), *draft_ids.stride(), *emitted.stride(), K,
+                                    BLOCK_K=triton.next_power_of_2(K + 1), num_warps=1)
+    return accepted, emitted
+
+
+@triton.jit
+def _rejection_sample_kernel(p_ptr, q_ptr, draft_ptr, nd_ptr, u_ptr, e_ptr, acc_ptr, out_ptr,
+                             s_pb, s_pk, s_pv, s_qb, s_qk, s_qv, s_db, s_dk, s_ub, s_uk, s_eb, s_ev,
+                             s_ob, s_ok, K, V, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                             V_BLOCKS: tl.constexpr, HAS_Q: tl.constexpr):
+    # V_BLOCKS = cdiv(V, BLOCK_V) is constexpr: the interpreter cannot loop to a runtime bound
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.arange(0, BLOCK_K)                                   # positions 0 .. K (< BLOCK_K)
+    n = tl.load(nd_ptr + b)
+    # accept d_i while u_i * q_i(d_i) <= p_i(d_i) and i < num_drafts  (probability min(1, p/q))
+    d = tl.load(draft_ptr + b * s_db + pos * s_dk, mask=pos < K, other=0).to(tl.int64)
+    live = (pos < K) & (d >= 0) & (d < V)                         # an id outside [0, V) is rejected
+    p_d = tl.load(p_ptr + b * s_pb + pos * s_pk + d * s_pv, mask=live, other=0.0).to(tl.float32)
+    q_d = tl.zeros([BLOCK_K], tl.float32)
+    if HAS_Q:
+        q_d = tl.load(q_ptr + b * s_qb + pos * s_qk + d * s_qv, mask=live, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + b * s_ub + pos * s_uk, mask=live, other=1.0).to(tl.float32)
+    ok = live & (u * q_d <= p_d) & (pos < n)
+    a = tl.min(tl.where(ok, BLOCK_K, pos), 0).to(tl.int64)        # accepted, in [0, K]
+    rejected = a < n
+    qa = tl.minimum(a, K - 1)                                     # q row of the rejected position
+    p_row = p_ptr + b * s_pb + a * s_pk
+    q_row = q_ptr + b * s_qb + qa * s_qk
+    e_row = e_ptr + b * s_eb
+    # exponential race over V: argmax(w / E) samples norm(w); first index wins ties (torch.argmax)
+    best_p = tl.full([], float("-inf"), tl.float32)               # w = p_a (bonus, or p == q fallback)
+    arg_p = tl.full([], 0, tl.int64)
+    best_r = tl.full([], float("-inf"), tl.float32)               # w = max(0, p_a - q_a)
+    arg_r = tl.full([], 0, tl.int64)
+    any_r = tl.full([], 0, tl.int32)                              # residual has mass (sum > 0)
+    for blk in range(V_BLOCKS):
+        v0 = blk * BLOCK_V
+        offs = v0 + tl.arange(0, BLOCK_V)
+        mv = offs < V
+        pv = tl.load(p_row + offs * s_pv, mask=mv, other=0.0).to(tl.float32)
+        ev = tl.load(e_row + offs * s_ev, mask=mv, other=1.0).to(tl.float32)
+        s = tl.where(mv, tl.math.div_rn(pv, ev), float("-inf"))  # div_rn: IEEE division, as torch
+        m = tl.max(s, 0)
+        i = tl.argmax(s, 0).to(tl.int64)
+        arg_p = tl.where(m > best_p, v0 + i, arg_p)
+        best_p = tl.maximum(m, best_p)
+        if HAS_Q:
+            qv = tl.load(q_row + offs * s_qv, mask=mv, other=0.0).to(tl.float32)
+            r = tl.maximum(pv - qv, 0.0)
+            any_r = tl.maximum(any_r, tl.max((mv & (r > 0)).to(tl.int32), 0))
+            s = tl.where(mv, tl.math.div_rn(r, ev), float("-inf"))
+            m = tl.max(s, 0)
+            i = tl.argmax(s, 0).to(tl.int64)
+            arg_r = tl.where(m > best_r, v0 + i, arg_r)
+            best_r = tl.maximum(m, best_r)
+    last = tl.where(rejected & (any_r > 0), arg_r, arg_p)
+    out = tl.where(pos < a, d, tl.where(pos == a, last, -1))
+    tl.store(acc_ptr + b, a)
+    tl.store(out_ptr + b * s_ob + pos * s_ok, out, mask=pos <= K)
+
+
+def rejection_sample_triton(p: torch.Tensor, q: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                            uniform: torch.Tensor, exp_noise: torch.Tensor, block_v: int = 1024):
+    """p [B, K+1, V], q [B, K, V], draft_ids [B, K], num_drafts [B], uniform [B, K], exp_noise [B, V]
+    -> accepted [B], emitted [B, K+1] (kernels.speculative.rejection_sample). Arithmetic in float32
+    (the reference computes in p's dtype; the engines pass float32). Small inputs move to p's device."""
+    B, K = draft_ids.shape
+    V = p.shape[-1]
+    assert p.shape == (B, K + 1, V) and q.shape == (B, K, V), (tuple(p.shape), tuple(q.shape))
+    dev = p.device
+    draft_ids, num_drafts, uniform, exp_noise = (t.to(dev) for t in (draft_ids, num_drafts, uniform, exp_noise))
+    q = q.to(dev) if K else p                                    # K = 0: q is never read (HAS_Q off)
+    accepted = torch.empty(B, dtype=torch.long, device=dev)
+    emitted = torch.empty(B, K + 1, dtype=torch.long, device=dev)
+    if B:
+        block_v = min(block_v, triton.next_power_of_2(V))
+        uk = uniform.stride() if K else (0, 0)
+        _rejection_sample_kernel[(B,)](p, q, draft_ids, num_drafts, uniform, exp_noise, accepted, emitted,
+                                       *p.stride(), *q.stride(), *draft_ids.stride(), *uk, *exp_noise.stride(),
+                                       *emitted.stride(), K, V, BLOCK_K=triton.next_power_of_2(K + 1),
+                                       BLOCK_V=block_v, V_BLOCKS=triton.cdiv(V, block_v), HAS_Q=K > 0,
+                                       num_warps=4 if block_v <= 1024 else 8)
+    return accepted, emitted
