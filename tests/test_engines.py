@@ -147,3 +147,37 @@ def test_speculative_sampling_matches_target_distribution(top_k):
         assert counts[~keep].sum() == 0                                  # never a token outside top-k
         chi2 = ((counts[keep] - e[keep]) ** 2 / e[keep]).sum().item()
         assert chi2 < _chi2_crit(int(keep.sum()) - 1), (chi2, int(keep.sum()))
+
+
+def test_seeded_sampling_ignores_batch_mates():
+    """A seeded request samples the same tokens alone and beside requests that draft more tokens."""
+    target, draft = make_models(vocab=64, head_std=0.6, seed=4)
+    s = {"x": Sampling(1.0, seed=7), "y": Sampling(1.0, seed=8), "z": Sampling(0.0)}
+    alone, _, _ = speculate(*engines(target, draft), {"x": [1, 2, 3]}, 1, 8, {"x": s["x"]})
+    mixed = {"x": [1, 2, 3], "y": [4, 5, 6, 7], "z": [9, 8]}
+    # x drafts 1 token per round, its batch-mates 3: the target's per-request draws must not shift
+    together, _, _ = speculate_mixed_k(*engines(target, draft), mixed, {"x": 1, "y": 3, "z": 3}, 8, s)
+    assert together["x"] == alone["x"]
+
+
+def speculate_mixed_k(te, de, prompts, ks, n, sampling):
+    """speculate() with a per-request k (the gateway allows it per request)."""
+    first, hidden = te.prefill([(r, p, sampling[r]) for r, p in prompts.items()])
+    rows = dict(zip(prompts, hidden.split([len(p) for p in prompts.values()])))
+    out = {r: [t] for r, t in zip(prompts, first)}
+    pending = {r: list(p) + [t] for (r, p), t in zip(prompts.items(), first)}
+    position = {r: 0 for r in prompts}
+    gens = {r: torch.Generator().manual_seed(1000 + i) for i, r in enumerate(prompts)}  # as speculate()
+    while any(len(o) < n for o in out.values()):
+        live = [r for r in prompts if len(out[r]) < n]
+        items = [ProposeItem(r, pending[r], ks[r], DraftSampling(sampling[r].temperature, 0, 0.0, gens[r]),
+                             position[r]) for r in live]
+        proposals = de.propose(items, {r: rows[r] for r in live})
+        for r in live:
+            position[r] += len(pending[r])
+        accepted, emitted, hidden = te.verify([(r, d, q) for r, (d, q) in zip(live, proposals)])
+        rows.update(zip(live, hidden.split([a + 1 for a in accepted])))
+        for r, toks in zip(live, emitted):
+            out[r] += toks
+            pending[r] = toks
+    return {r: o[:n] for r, o in out.items()}, te, de

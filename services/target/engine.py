@@ -165,7 +165,9 @@ class TargetEngine:
                     q[b, : len(d)] = qb
                 else:                                                               # greedy draft: one-hot
                     q[b, torch.arange(len(d)), torch.tensor(list(d), dtype=torch.long)] = 1.0
-            u = torch.stack([torch.rand(K, generator=r.generator) for r in reqs])
+            # draws per request depend only on its own k, so a seeded stream ignores its batch-mates
+            u = torch.stack([torch.cat([torch.rand(len(d), generator=r.generator), torch.ones(K - len(d))])
+                             for (_, d, _), r in zip(items, reqs)])
             e = torch.stack([torch.empty(V).exponential_(generator=r.generator) for r in reqs])
             accepted, emitted = rejection_sample(p, q, drafts, k, u, e)
         accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides
