@@ -30,9 +30,11 @@ def engines(target, draft, blocks=512):
             DraftEngine(draft, new_cache(draft, blocks), 2048))
 
 
-def speculate(te: TargetEngine, de: DraftEngine, prompts: dict, k: int, n: int, sampling=None):
-    """The gateway's loop in miniature: prefill, then Propose -> Verify rounds until n tokens each."""
+def speculate(te: TargetEngine, de: DraftEngine, prompts: dict, k, n: int, sampling=None):
+    """The gateway's loop in miniature: prefill, then Propose -> Verify rounds until n tokens each.
+    k: draft tokens per round, one int or a dict per request."""
     sampling = sampling or {r: Sampling() for r in prompts}
+    k = k if isinstance(k, dict) else {r: k for r in prompts}
     first, hidden = te.prefill([(r, p, sampling[r]) for r, p in prompts.items()])
     rows = dict(zip(prompts, hidden.split([len(p) for p in prompts.values()])))
     out = {r: [t] for r, t in zip(prompts, first)}
@@ -41,7 +43,7 @@ def speculate(te: TargetEngine, de: DraftEngine, prompts: dict, k: int, n: int, 
     gens = {r: torch.Generator().manual_seed(1000 + i) for i, r in enumerate(prompts)}
     while any(len(o) < n for o in out.values()):
         live = [r for r in prompts if len(out[r]) < n]
-        items = [ProposeItem(r, pending[r], k, DraftSampling(sampling[r].temperature, sampling[r].top_k,
+        items = [ProposeItem(r, pending[r], k[r], DraftSampling(sampling[r].temperature, sampling[r].top_k,
                                                              sampling[r].top_p, gens[r]), position[r]) for r in live]
         expected = de.expected_rows(items)
         assert all(expected[r] == rows[r].shape[0] for r in live), (expected, {r: rows[r].shape for r in live})
@@ -156,28 +158,6 @@ def test_seeded_sampling_ignores_batch_mates():
     alone, _, _ = speculate(*engines(target, draft), {"x": [1, 2, 3]}, 1, 8, {"x": s["x"]})
     mixed = {"x": [1, 2, 3], "y": [4, 5, 6, 7], "z": [9, 8]}
     # x drafts 1 token per round, its batch-mates 3: the target's per-request draws must not shift
-    together, _, _ = speculate_mixed_k(*engines(target, draft), mixed, {"x": 1, "y": 3, "z": 3}, 8, s)
+    together, _, _ = speculate(*engines(target, draft), mixed, {"x": 1, "y": 3, "z": 3}, 8, s)
     assert together["x"] == alone["x"]
 
-
-def speculate_mixed_k(te, de, prompts, ks, n, sampling):
-    """speculate() with a per-request k (the gateway allows it per request)."""
-    first, hidden = te.prefill([(r, p, sampling[r]) for r, p in prompts.items()])
-    rows = dict(zip(prompts, hidden.split([len(p) for p in prompts.values()])))
-    out = {r: [t] for r, t in zip(prompts, first)}
-    pending = {r: list(p) + [t] for (r, p), t in zip(prompts.items(), first)}
-    position = {r: 0 for r in prompts}
-    gens = {r: torch.Generator().manual_seed(1000 + i) for i, r in enumerate(prompts)}  # as speculate()
-    while any(len(o) < n for o in out.values()):
-        live = [r for r in prompts if len(out[r]) < n]
-        items = [ProposeItem(r, pending[r], ks[r], DraftSampling(sampling[r].temperature, 0, 0.0, gens[r]),
-                             position[r]) for r in live]
-        proposals = de.propose(items, {r: rows[r] for r in live})
-        for r in live:
-            position[r] += len(pending[r])
-        accepted, emitted, hidden = te.verify([(r, d, q) for r, (d, q) in zip(live, proposals)])
-        rows.update(zip(live, hidden.split([a + 1 for a in accepted])))
-        for r, toks in zip(live, emitted):
-            out[r] += toks
-            pending[r] = toks
-    return {r: o[:n] for r, o in out.items()}, te, de
