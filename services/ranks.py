@@ -132,6 +132,29 @@ def hello(cfg: ServiceConfig) -> dict:
     return {"model_identity": model_identity(cfg.model), "contract_version": CONTRACT_VERSION}
 
 
+class ServicerBase:
+    """Release and GetInfo, answered alike by the target and the draft. A subclass sets cfg, group,
+    engine and lock, and says how many requests it is running."""
+
+    def running(self) -> int:
+        raise NotImplementedError
+
+    def Release(self, request, context):
+        from tandem import grpc_server
+        from tandem.v1 import target_pb2
+        try:
+            with self.lock:
+                return target_pb2.ReleaseResponse(released=self.group.call("release", list(request.request_ids)))
+        except ServiceError as e:             # the rank group broke: UNAVAILABLE, not a traceback
+            grpc_server.abort(context, e.code, str(e))
+
+    def GetInfo(self, request, context):
+        from tandem import grpc_server
+        if self.group.broken:                 # exiting to be restarted: not back for a gateway's check
+            grpc_server.abort(context, "UNAVAILABLE", self.group.broken)
+        return service_info(self.cfg, self.engine, self.running())
+
+
 def run_service(role: str, argv: list[str], description: str, model_cls, engine_cls, make_servicer,
                 add_servicer, service_name: str) -> int:
     """Start one target or draft process: rank 0 serves gRPC, the others replay its engine calls."""

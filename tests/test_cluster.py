@@ -249,7 +249,7 @@ def test_stop_strings(gw, tokenizer):
             text = tokenizer.decode(ids[:j])
             cases.append((p, stop, ids[:j], text[: text.find(stop)]))
     assert len(cases) >= 12, "too few outputs had a usable stop string"
-    calls, streamed, want = [], [], []
+    calls, want = [], []
     for p, stop, ids, text in cases:
         for g in (0, 1):
             for k in (0, 2, K):

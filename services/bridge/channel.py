@@ -151,7 +151,7 @@ class RowChannel:
     def take(self, transfer_id: int, timeout_s: float) -> torch.Tensor:
         """Pull the rows of `transfer_id` [N, D]; TimeoutError if the target does not answer."""
         if self.error or not self._ready.wait(timeout_s) or self.error:    # a failed channel answers at once
-            raise TimeoutError(f"hidden rows bridge not connected" + (f": {self.error}" if self.error else ""))
+            raise TimeoutError("hidden rows bridge not connected" + (f": {self.error}" if self.error else ""))
         with self._lock:                              # one pull at a time, in order
             n = self._pulls
             self._pulls += 1

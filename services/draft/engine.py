@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.speculative import sampling_probs
+from kernels.dispatch import sampling_probs
 from models.kv_cache import CacheFullError, PagedKVCache
 from services.bridge.rows import ServiceError, expect_rows
 

@@ -11,7 +11,7 @@ from services.bridge.channel import RowChannel
 from services.bridge.rows import (ServiceError, check, check_finite, check_payload, check_sampling,
                                   decode_inline, rows_by_request)
 from services.config import ServiceConfig
-from services.ranks import RankGroup, run_service, service_info
+from services.ranks import RankGroup, ServicerBase, run_service
 from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
 from tandem import grpc_server, tracing
 from tandem.v1 import draft_pb2, draft_pb2_grpc, rows_pb2, target_pb2
@@ -19,7 +19,7 @@ from tandem.v1 import draft_pb2, draft_pb2_grpc, rows_pb2, target_pb2
 log = logging.getLogger("tandem.draft")
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, cfg: ServiceConfig, group: RankGroup, channel: RowChannel | None):
         self.cfg, self.group, self.engine, self.channel = cfg, group, group.engine, channel
         self.lock = threading.Lock()
@@ -99,17 +99,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                     q.float().numpy().astype("<f4").tobytes()) for d, q in results],
             transfer_seconds=transfer_s)
 
-    def Release(self, request, context):
-        try:
-            with self.lock:
-                return target_pb2.ReleaseResponse(released=self.group.call("release", list(request.request_ids)))
-        except ServiceError as e:             # the rank group broke: UNAVAILABLE, not a traceback
-            grpc_server.abort(context, e.code, str(e))
-
-    def GetInfo(self, request, context):
-        if self.group.broken:                 # exiting to be restarted: not back for a gateway's check
-            grpc_server.abort(context, "UNAVAILABLE", self.group.broken)
-        return service_info(self.cfg, self.engine, len(self.engine.committed))
+    def running(self) -> int:
+        return len(self.engine.committed)
 
 
 def main(argv=None) -> int:

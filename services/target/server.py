@@ -11,7 +11,7 @@ import torch
 from services.bridge.channel import RowChannel
 from services.bridge.rows import ServiceError, check_sampling, describe
 from services.config import ServiceConfig
-from services.ranks import RankGroup, run_service, service_info
+from services.ranks import RankGroup, ServicerBase, run_service
 from services.target.engine import Sampling, TargetEngine
 from tandem import grpc_server, tracing
 from tandem.v1 import rows_pb2, target_pb2, target_pb2_grpc
@@ -28,7 +28,7 @@ def logprob_pb(entry: tuple[float, list[int], list[float]]) -> target_pb2.TokenL
     return target_pb2.TokenLogprob(logprob=lp, top_token_ids=ids, top_logprobs=lps)
 
 
-class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
     def __init__(self, cfg: ServiceConfig, group: RankGroup, channel: RowChannel | None):
         self.cfg, self.group, self.engine, self.channel = cfg, group, group.engine, channel
         self.lock = threading.Lock()          # one step at a time: the engine owns the cache
@@ -131,17 +131,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 True, request.transport, [rid for rid, _ in items], [len(t) - 1 for _, t in items], rows))
         return self._guard(context, run)
 
-    def Release(self, request, context):
-        try:
-            with self.lock:
-                return target_pb2.ReleaseResponse(released=self.group.call("release", list(request.request_ids)))
-        except ServiceError as e:             # the rank group broke: UNAVAILABLE, not a traceback
-            grpc_server.abort(context, e.code, str(e))
-
-    def GetInfo(self, request, context):
-        if self.group.broken:                 # exiting to be restarted: not back for a gateway's check
-            grpc_server.abort(context, "UNAVAILABLE", self.group.broken)
-        return service_info(self.cfg, self.engine, len(self.engine.requests))
+    def running(self) -> int:
+        return len(self.engine.requests)
 
 
 def main(argv=None) -> int:
