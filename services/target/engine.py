@@ -151,25 +151,26 @@ class TargetEngine:
         idx = (starts[:, None] + torch.arange(K + 1)[None, :]).clamp(max=hidden.shape[0] - 1)
         valid = torch.arange(K + 1)[None, :] <= k[:, None]                       # [B, K+1]
         logits = self.model.compute_logits(hidden)                               # [N, V]
-        drafts = torch.tensor([list(d) + [0] * (K - len(d)) for _, d, _ in items], dtype=torch.long)
-        dev = logits.device
+        dev = logits.device                  # acceptance runs where the logits are (Triton on CUDA)
+        drafts = torch.tensor([list(d) + [0] * (K - len(d)) for _, d, _ in items], dtype=torch.long, device=dev)
+        k_dev, idx = k.to(dev), idx.to(dev)
         if all(r.sampling.greedy for r in reqs):
-            target_ids = logits.argmax(-1)[idx.to(dev)].cpu()                       # [B, K+1]
-            accepted, emitted = greedy_verify(target_ids, drafts, k)
+            accepted, emitted = greedy_verify(logits.argmax(-1)[idx], drafts, k_dev)     # [B, K+1]
         else:
             p = self._probs(logits, [r.sampling for (_, d, _), r in zip(items, reqs) for _ in range(len(d) + 1)])
-            p = p[idx.to(dev)].cpu() * valid[..., None]                             # [B, K+1, V]
-            q = torch.zeros(B, K, V)
+            p = p[idx] * valid.to(dev)[..., None]                                    # [B, K+1, V]
+            q = torch.zeros(B, K, V, device=dev)
             for b, (_, d, qb) in enumerate(items):
                 if qb is not None:
-                    q[b, : len(d)] = qb
+                    q[b, : len(d)] = qb.to(dev)
                 else:                                                               # greedy draft: one-hot
-                    q[b, torch.arange(len(d)), torch.tensor(list(d), dtype=torch.long)] = 1.0
+                    q[b, torch.arange(len(d), device=dev), drafts[b, : len(d)]] = 1.0
             # draws per request depend only on its own k, so a seeded stream ignores its batch-mates
             u = torch.stack([torch.cat([torch.rand(len(d), generator=r.generator), torch.ones(K - len(d))])
-                             for (_, d, _), r in zip(items, reqs)])
-            e = torch.stack([torch.empty(V).exponential_(generator=r.generator) for r in reqs])
-            accepted, emitted = rejection_sample(p, q, drafts, k, u, e)
+                             for (_, d, _), r in zip(items, reqs)]).to(dev)
+            e = torch.stack([torch.empty(V).exponential_(generator=r.generator) for r in reqs]).to(dev)
+            accepted, emitted = rejection_sample(p, q, drafts, k_dev, u, e)
+        accepted, emitted = accepted.cpu(), emitted.cpu()
         accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides
         out_tokens, keep_rows = [], []
         for b, ((rid, d, _), r) in enumerate(zip(items, reqs)):
