@@ -37,6 +37,25 @@ class GenerationError(RuntimeError):
         self.code = code
 
 
+class NoTokenizer:
+    """The tokenizer of a model that has none (`--random-config`, random weights): token ids in and out.
+    Text prompts are a 400 / INVALID_ARGUMENT naming the field; output text is empty."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+
+    def encode(self, text: str, add_special_tokens: bool = True):
+        raise RequestError("prompt", f"prompt: model {self.model_name!r} has random weights and no tokenizer; "
+                                     "send token ids (GenerateRequest.token_ids, or a REST prompt of integers), "
+                                     f"got text of {len(text)} characters")
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return ""
+
+    def id_to_token(self, tid: int) -> None:
+        return None
+
+
 class QueueFull(GenerationError):
     """Back-pressure: HTTP 429 (retry later), not the 503 other RESOURCE_EXHAUSTED answers map to."""
     http_status = 429

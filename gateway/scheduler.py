@@ -165,6 +165,8 @@ class Scheduler:
     async def _round(self, batch: list[GenRequest]) -> None:
         drafts: dict[str, draft_pb2.ProposeResult] = {}
         spec = [r for r in batch if r.speculate]
+        round_t0 = time.perf_counter()
+        split = {"propose": 0.0, "draft_transfer": 0.0, "draft_compute": 0.0}   # round split (metrics)
         if spec:
             sets = {id(r.rows): r.rows for r in spec}
             preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
@@ -186,6 +188,8 @@ class Scheduler:
                     self.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})")
             else:
                 self.avail.draft_proposed()
+                split.update(propose=time.perf_counter() - t0, draft_transfer=presp.timing.transfer_seconds,
+                             draft_compute=presp.timing.compute_seconds)
                 self.obs.phase("propose", time.perf_counter() - t0 - presp.transfer_seconds)
                 self.obs.phase("transfer", presp.transfer_seconds)
                 for r, res in zip(spec, presp.results):
@@ -204,6 +208,7 @@ class Scheduler:
             self._target_failed(batch, e, "Verify")
             return
         self.obs.phase("verify", time.perf_counter() - t0)
+        split.update(verify=time.perf_counter() - t0, target_compute=vresp.timing.compute_seconds)
         for r, res in zip(batch, vresp.results):
             k = len(drafts[r.id].draft_token_ids) if r.id in drafts else 0
             r.stats.add(k, res.num_accepted)
@@ -211,6 +216,9 @@ class Scheduler:
             if r.speculate:
                 r.draft_tokens, r.rows = list(res.emitted_token_ids), vresp.hidden_rows
             self._commit(r, list(res.emitted_token_ids), list(res.logprobs))
+        split["round"] = time.perf_counter() - round_t0
+        split["gateway"] = split["round"] - split["propose"] - split["verify"]
+        self.obs.round_split(split)
 
     @property
     def _speculating(self) -> bool:

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from tokenizers import Tokenizer
 
 from gateway.auth import ApiKeyInterceptor
-from gateway.core import GenerationError, Gateway, Limits, RequestError
+from gateway.core import GenerationError, Gateway, Limits, NoTokenizer, RequestError
 from gateway.http import HttpServer
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import GenRequest, Scheduler
@@ -30,7 +30,8 @@ from tandem.v1 import draft_pb2_grpc, generate_pb2, generate_pb2_grpc, rows_pb2,
 log = logging.getLogger("tandem.gateway")
 FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
 TRANSPORTS = {"auto": rows_pb2.TRANSPORT_UNSPECIFIED, "gloo": rows_pb2.TRANSPORT_BRIDGE,
-              "nccl": rows_pb2.TRANSPORT_BRIDGE, "inline": rows_pb2.TRANSPORT_INLINE}
+              "nccl": rows_pb2.TRANSPORT_BRIDGE, "ipc": rows_pb2.TRANSPORT_BRIDGE,
+              "inline": rows_pb2.TRANSPORT_INLINE}
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,12 @@ class GatewayConfig:
     max_waiting: int = 256                   # requests queued for a Prefill; beyond: 429 / RESOURCE_EXHAUSTED
     rpc_timeout_s: float = 60.0              # a Prefill / Verify / RecomputeRows call (client deadlines bound it)
     draft_timeout_s: float = 10.0            # a Propose; past it the round goes on without drafts
+    random_config: str = ""                  # target and draft run a random-weight preset: no tokenizer
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).name
+        return self.served_model_name or (f"random-{self.random_config}" if self.random_config
+                                          else Path(self.model).name)
 
     @property
     def tls(self) -> tls_mod.TlsFiles:
@@ -79,7 +82,7 @@ class GatewayConfig:
             raise SystemExit(f"--num-speculative-tokens must be in [0, 16], got {self.num_speculative_tokens}")
         if self.hidden_transport not in TRANSPORTS:
             raise SystemExit(f"--hidden-transport must be one of {list(TRANSPORTS)}, got {self.hidden_transport!r}")
-        if not (Path(self.model) / "tokenizer.json").exists():
+        if not self.random_config and not (Path(self.model) / "tokenizer.json").exists():
             raise SystemExit(f"--model {self.model}: no tokenizer.json there")
         if min(self.max_prompt_tokens, self.max_output_tokens) < 0 or self.max_request_bytes < 1024:
             raise SystemExit("--max-prompt-tokens and --max-output-tokens must be >= 0, --max-request-bytes >= 1024")
@@ -181,7 +184,8 @@ def check_same_model(target: target_pb2.InfoResponse, draft: target_pb2.InfoResp
 
 async def serve(cfg: GatewayConfig) -> None:
     tracing.setup("tandem-gateway", cfg.otlp_endpoint)
-    tokenizer = Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json"))
+    tokenizer = (NoTokenizer(cfg.model_name) if cfg.random_config
+                 else Tokenizer.from_file(str(Path(cfg.model) / "tokenizer.json")))
     tchan = tls_mod.aio_channel(cfg.target_addr, cfg.tls, options=channel_options() + watch.RECONNECT_OPTIONS,
                                 interceptors=tracing.client_interceptors())
     await wait_ready(tchan, f"target at {cfg.target_addr}", cfg.connect_timeout_s)
@@ -272,9 +276,12 @@ def parse(argv) -> GatewayConfig:
                    "(0: the model's limit)")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest REST body (413 beyond) and "
                    "gRPC request message (RESOURCE_EXHAUSTED beyond) of the public API")
+    p.add_argument("--random-config", default="", help="target and draft serve a random-weight preset "
+                   "(--random-config of `tandem target`): no tokenizer, requests must send token ids")
     tls_mod.add_flags(p)
     a = p.parse_args(argv)
-    return GatewayConfig(**{**vars(a), "model": str(a.model or default_model())}).validate()
+    model = a.model or (f"random:{a.random_config}" if a.random_config else default_model())
+    return GatewayConfig(**{**vars(a), "model": str(model)}).validate()
 
 
 def main(argv=None) -> int:

@@ -6,6 +6,11 @@ TANDEM_KERNELS=auto (default) | reference | triton forces the choice, read at ea
   triton     the Triton kernel everywhere (an error if Triton does not import; CPU tensors need
              TRITON_INTERPRET=1 set before the kernels are first imported: the interpreter, for tests).
 The two agree exactly (tests/test_triton_kernels.py), so the choice changes speed, never tokens.
+
+The model's kernels (paged MLA attention, fused MoE: tests/test_model_kernels.py) follow the same switch;
+they agree with their references to rounding, not bit for bit. TANDEM_ATTENTION=auto (default) |
+reference | triton | flashinfer picks the attention backend on its own: auto is FlashInfer where it
+imports and covers the shapes, else whatever TANDEM_KERNELS picks.
 """
 from __future__ import annotations
 
@@ -54,6 +59,37 @@ def use_triton(x: torch.Tensor) -> bool:
             raise RuntimeError(f"{ENV}=triton with {x.device} tensors needs TRITON_INTERPRET=1 (the interpreter)")
         return True
     return x.is_cuda and triton_available()
+
+
+ATTENTION_ENV = "TANDEM_ATTENTION"
+ATTENTION_MODES = ("auto", "reference", "triton", "flashinfer")
+
+
+def attention_backend(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor) -> str:
+    """'reference' | 'triton' | 'flashinfer' for the paged MLA attention over these tensors."""
+    m = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if m not in ATTENTION_MODES:
+        raise ValueError(f"{ATTENTION_ENV}={m!r}: expected one of {', '.join(ATTENTION_MODES)}")
+    from kernels import flashinfer_mla
+    if m == "flashinfer":
+        if not flashinfer_mla.supported(q_lat, q_pe, ckv):
+            raise RuntimeError(f"{ATTENTION_ENV}=flashinfer but flashinfer does not import or does not cover "
+                               f"R={q_lat.shape[-1]}, P={q_pe.shape[-1]}, {q_lat.dtype} on {q_lat.device}")
+        return m
+    if m == "triton":
+        use_triton_forced(q_lat)
+        return m
+    if m == "reference" or not use_triton(q_lat):
+        return "reference"
+    return "flashinfer" if flashinfer_mla.supported(q_lat, q_pe, ckv) else "triton"
+
+
+def use_triton_forced(x: torch.Tensor) -> None:
+    """Raise unless a Triton kernel can run on x (compiled on CUDA, or interpreted)."""
+    if not triton_available():
+        raise RuntimeError("a Triton kernel was forced but triton does not import")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"a Triton kernel on {x.device} tensors needs TRITON_INTERPRET=1 (the interpreter)")
 
 
 def _spec():

@@ -4,12 +4,26 @@ Per token the cache holds c_kv = kv_a_layernorm(W_DKV x) [R] and k_pe = rope(W_K
 values are never expanded. With W_UK, W_UV the two halves of kv_b_proj (per head):
     score(q, j) = (q_nope W_UK) . c_kv[j] + q_pe . k_pe[j]
     out(q)      = (sum_j p_j c_kv[j]) W_UV^T
+
+Backends (kernels.dispatch.attention_backend; TANDEM_ATTENTION, else TANDEM_KERNELS): `latent_attention`
+below (PyTorch, the reference: CPU), kernels/triton_mla.py (CUDA), kernels/flashinfer_mla.py (CUDA,
+where FlashInfer imports and R = 512, P = 64).
+
+CUDA graphs: the Triton path reads no tensor value on the host, so a forward can be captured. Kept
+static across replays (same storage, values rewritten in place before each replay): input ids and
+AttentionBatch.positions, slot_mapping, token_request [N_pad]; context_lens [B_pad]; block_tables
+[B_pad, max_blocks] (a fixed width, e.g. max_model_len / block_size); the cache tensors. Padding rows
+point at a padding request with context_lens 0 (they output zeros) and at a scratch cache slot no
+request owns (their K/V write lands there). Host fields (query_lens, request_ids, host_*) are not read
+by the Triton path. The FlashInfer path plans per step on the host: inside a capture force Triton
+(AttentionBatch.attention_backend = "triton"; models/cuda_graphs.py does).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kernels import dispatch
 from models.config import ModelConfig
 from models.kv_cache import AttentionBatch
 from models.layers import (ColumnParallelLinear, ReplicatedLinear, RMSNorm, RotaryEmbedding,
@@ -53,7 +67,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]                          # [h, nope, R], [h, v, R]
         q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)                        # [N, h, R]
-        out_lat = latent_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)      # [N, h, R]
+        out_lat = paged_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)       # [N, h, R]
         out = torch.einsum("nhr,hvr->nhv", out_lat, w_uv).reshape(N, h * self.v_dim)
         return self.o_proj(out)
 
@@ -72,6 +86,24 @@ class MLAttention(nn.Module):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True,
                                                                scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, h * self.v_dim))
+
+
+def paged_attention(q_lat, q_pe, batch: AttentionBatch, ckv, kpe, scale: float) -> torch.Tensor:
+    """q_lat: [N, h, R], q_pe: [N, h, P] over this layer's cache -> [N, h, R], on the chosen backend."""
+    backend = batch.attention_backend or dispatch.attention_backend(q_lat, q_pe, ckv)
+    if backend == "triton":
+        from kernels.triton_mla import mla_attention_triton
+        return mla_attention_triton(q_lat, q_pe, ckv, kpe, batch.block_tables, batch.token_request,
+                                    batch.positions, batch.context_lens, scale)
+    if backend == "flashinfer":
+        from kernels import flashinfer_mla
+        if "flashinfer" not in batch.plans:          # once per step, shared by every layer
+            ctx = [s + n for s, n in zip(batch.host_starts, batch.query_lens)]
+            batch.plans["flashinfer"] = flashinfer_mla.plan(
+                q_lat.device, batch.query_lens, ctx, batch.host_block_tables, q_lat.shape[1], q_lat.shape[2],
+                q_pe.shape[2], batch.block_size, scale, q_lat.dtype)
+        return flashinfer_mla.run(batch.plans["flashinfer"], q_lat, q_pe, ckv, kpe)
+    return latent_attention(q_lat, q_pe, batch, ckv, kpe, scale)
 
 
 def latent_attention(q_lat, q_pe, batch: AttentionBatch, ckv, kpe, scale: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ overwrites another request's slots.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,14 +22,25 @@ class UnknownRequestError(KeyError):
 
 @dataclass
 class AttentionBatch:
-    """Per-step layout shared by all layers. N new tokens of B requests, flattened request-major."""
-    positions: torch.Tensor       # [N] absolute position of each new token
-    slot_mapping: torch.Tensor    # [N] flat cache slot the new token is written to
-    context_slots: torch.Tensor   # [B, Lmax] flat slots of each request's whole context (0-padded)
-    query_pad_index: torch.Tensor # [N] index into a [B * Tmax] padded query layout
-    mask: torch.Tensor            # [B, Tmax, Lmax] True where the query may attend the key
+    """Per-step layout shared by all layers. N new tokens of B requests, flattened request-major.
+
+    The device tensors below are what the kernels read (fixed shapes given N, B and the table width,
+    so a CUDA graph can hold them as static buffers); the reference fields (`context_slots`,
+    `query_pad_index`, `mask`) are built from the host copy on first use, for the PyTorch path only.
+    """
+    positions: torch.Tensor       # [N] int64 absolute position of each new token
+    slot_mapping: torch.Tensor    # [N] int64 flat cache slot the new token is written to
+    token_request: torch.Tensor   # [N] int32 request index b of each new token
+    context_lens: torch.Tensor    # [B] int32 keys request b attends after this step (start + query len)
+    query_start: torch.Tensor     # [B + 1] int32 first row of each request's tokens (qo_indptr)
+    block_tables: torch.Tensor    # [B, max_blocks] int32 page ids of each request, 0-padded
     query_lens: list[int]
     request_ids: list[str]
+    block_size: int = 16
+    host_block_tables: torch.Tensor | None = None   # CPU copy of block_tables (planning, reference)
+    host_starts: list[int] | None = None            # context length of each request before this step
+    attention_backend: str | None = None            # force 'triton' / 'reference' / ... (graphs: 'triton')
+    plans: dict = field(default_factory=dict, repr=False)   # per-step backend state (e.g. a FlashInfer plan)
 
     @property
     def num_tokens(self) -> int:
@@ -39,6 +50,36 @@ class AttentionBatch:
         # [B] row of each request's last new token in the flattened [N] layout
         ends = torch.tensor(self.query_lens, device=self.positions.device).cumsum(0)
         return ends - 1
+
+    # --- reference layout (PyTorch latent_attention): padded [B, Lmax] context, dense mask ----------
+    @property
+    def context_slots(self) -> torch.Tensor:    # [B, Lmax] flat slots of each request's context (0-padded)
+        return self._reference()[0]
+
+    @property
+    def query_pad_index(self) -> torch.Tensor:  # [N] index into a [B * Tmax] padded query layout
+        return self._reference()[1]
+
+    @property
+    def mask(self) -> torch.Tensor:             # [B, Tmax, Lmax] True where the query may attend the key
+        return self._reference()[2]
+
+    def _reference(self):
+        if "reference" not in self.plans:
+            starts, lens, bs = self.host_starts, self.query_lens, self.block_size
+            B, tmax = len(lens), max(lens, default=0)
+            ctx = [s + n for s, n in zip(starts, lens)]
+            lmax = max(ctx, default=0)
+            j = torch.arange(lmax)
+            slots = self.host_block_tables.long().gather(1, (j // bs)[None].expand(B, -1).clamp(
+                max=self.host_block_tables.shape[1] - 1)) * bs + j % bs                # [B, Lmax]
+            slots = slots.masked_fill(j[None, :] >= torch.tensor(ctx)[:, None], 0)
+            pad = torch.cat([torch.arange(n) + b * tmax for b, n in enumerate(lens)]) if B else torch.zeros(0).long()
+            qpos = torch.tensor(starts)[:, None] + torch.arange(tmax)[None, :]         # [B, Tmax]
+            mask = j[None, None, :] <= qpos[:, :, None]                                 # causal over context
+            dev = self.positions.device
+            self.plans["reference"] = (slots.to(dev), pad.to(dev), mask.to(dev))
+        return self.plans["reference"]
 
 
 class PagedKVCache:
@@ -112,11 +153,6 @@ class PagedKVCache:
             self._free.extend(reversed(self._tables.pop(request_id)))
             del self._lengths[request_id]
 
-    def _slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(self._tables[request_id], dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
     # --- one step ------------------------------------------------------------------------------
     def prepare(self, request_ids: list[str], query_lens: list[int]) -> AttentionBatch:
         """Extend each request by its new-token count and lay out the step's attention batch.
@@ -134,20 +170,29 @@ class PagedKVCache:
         starts = [self._lengths[r] for r in request_ids]
         for r, n in zip(request_ids, query_lens):
             self.extend(r, n)
-        B, tmax = len(request_ids), max(query_lens)
-        lmax = max(s + n for s, n in zip(starts, query_lens))
-        positions, slots, pad_index = [], [], []
-        context = torch.zeros(B, lmax, dtype=torch.long)
-        for b, (r, s, n) in enumerate(zip(request_ids, starts, query_lens)):
-            positions.append(torch.arange(s, s + n))
-            ctx = self._slots(r, 0, s + n)
-            context[b, : s + n] = ctx
-            slots.append(ctx[s:])
-            pad_index.append(torch.arange(n) + b * tmax)
-        qpos = torch.tensor(starts)[:, None] + torch.arange(tmax)[None, :]       # [B, Tmax]
-        mask = torch.arange(lmax)[None, None, :] <= qpos[:, :, None]             # causal over context
-        dev = self.device
+        return self._layout(request_ids, query_lens, starts)
+
+    def _layout(self, request_ids: list[str], query_lens: list[int], starts: list[int]) -> AttentionBatch:
+        # built on the host, moved in one transfer: [positions N | slots N | token_request N |
+        # context_lens B | query_start B+1 | block_tables B*MB], the int32 part cast once on the device
+        bs, B, N = self.block_size, len(request_ids), sum(query_lens)
+        tables = [self._tables[r] for r in request_ids]
+        mb = max([len(t) for t in tables] + [1])
+        host_tables = torch.zeros(B, mb, dtype=torch.int32)
+        for b, t in enumerate(tables):
+            host_tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        lens = torch.tensor(query_lens, dtype=torch.long)
+        req = torch.repeat_interleave(torch.arange(B), lens)                      # [N]
+        qstart = torch.zeros(B + 1, dtype=torch.long)
+        qstart[1:] = lens.cumsum(0)
+        pos = torch.arange(N) - qstart[req] + torch.tensor(starts, dtype=torch.long)[req]
+        slots = host_tables.long()[req, pos // bs] * bs + pos % bs if N else pos
+        packed = torch.cat([pos, slots, req, torch.tensor(starts, dtype=torch.long) + lens, qstart,
+                            host_tables.long().flatten()]).to(self.device)
+        small = packed[2 * N:].to(torch.int32)
         return AttentionBatch(
-            positions=torch.cat(positions).to(dev), slot_mapping=torch.cat(slots).to(dev),
-            context_slots=context.to(dev), query_pad_index=torch.cat(pad_index).to(dev),
-            mask=mask.to(dev), query_lens=list(query_lens), request_ids=list(request_ids))
+            positions=packed[:N], slot_mapping=packed[N:2 * N], token_request=small[:N],
+            context_lens=small[N:N + B], query_start=small[N + B:N + 2 * B + 1],
+            block_tables=small[N + 2 * B + 1:].view(B, mb), query_lens=list(query_lens),
+            request_ids=list(request_ids), block_size=bs, host_block_tables=host_tables,
+            host_starts=starts)

@@ -3,6 +3,12 @@
 Parallel layout: the tp ranks form ep expert groups of etp = tp / ep ranks each. A group holds
 n_routed_experts / ep experts, each split etp ways along its intermediate dim. Shared experts and
 dense MLPs are split tp ways. Every rank adds its partial outputs; one all-reduce completes them.
+
+Routed experts run on one of three paths (kernels.dispatch.use_triton, TANDEM_KERNELS): the fused
+Triton MoE (kernels/triton_moe.py; CUDA, or the interpreter in tests), which reads this rank's experts
+stacked as w13 [E_local, 2I, D] / w2 [E_local, D, I] and never syncs with the host; on CPU the
+reference loop over the experts that received tokens; on CUDA without Triton a dense loop over every
+local expert (slow, but with no host sync either). The router computes in fp32, autocast or not.
 """
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import dispatch
 from models.config import ModelConfig
 from models.layers import shard_param
 from models.parallel import ParallelState, SINGLE, all_reduce
@@ -61,7 +68,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [N, D] -> weights [N, k] (fp32), expert ids [N, k]
         c = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        with torch.autocast(x.device.type, enabled=False):     # DeepSeek routes in fp32, autocast or not
+            logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(-1)
         choice = scores + self.e_score_correction_bias.float() if hasattr(self, "e_score_correction_bias") else scores
         if c.n_group > 1:
@@ -109,10 +117,17 @@ class MoE(nn.Module):
         return y.view(shape)
 
     def routed(self, x, weights, ids) -> torch.Tensor:
+        # x: [N, D], weights: [N, k] fp32, ids: [N, k] global expert ids -> [N, D] (this rank's experts)
+        if dispatch.use_triton(x):
+            from kernels.triton_moe import fused_moe_triton
+            w13, w2 = self.prepare_for_kernels()
+            return fused_moe_triton(x, w13, w2, weights, ids, self.local.start)
+        if x.is_cuda:
+            return self._routed_dense(x, weights, ids)
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()     # CPU: no device to wait on
         token = order // k
         w = weights.flatten()[order].to(x.dtype)
         y = torch.zeros_like(x)
@@ -123,3 +138,33 @@ class MoE(nn.Module):
                 y.index_add_(0, rows, self.experts[str(e)](x[rows]) * w[start:start + n, None])
             start += n
         return y
+
+    def _routed_dense(self, x, weights, ids) -> torch.Tensor:
+        # every local expert over every token, weighted by its routing weight (0 if not chosen)
+        y = torch.zeros_like(x)
+        for e in self.local:
+            w = (weights * (ids == e)).sum(-1).to(x.dtype)                       # [N]
+            y = y + self.experts[str(e)](x) * w[:, None]
+        return y
+
+    def prepare_for_kernels(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's experts stacked: w13 [E_local, 2I, D] (gate rows, then up), w2 [E_local, D, I].
+
+        Built on first use; the per-expert parameters then become views into them, so there is one
+        copy of the weights and the loader's in-place writes land in the stacked tensors. If the
+        parameters were replaced since (module.to(), .data assignment), they are stacked again.
+        Call it once before CUDA-graph capture (warm-up does). Do not save a CPU model's state dict
+        with safetensors after it ran (the views share storage)."""
+        experts = [self.experts[str(e)] for e in self.local]
+        first, last = experts[0], experts[-1]
+        st = getattr(self, "_stacked", None)
+        if (st is None or first.gate_proj.weight.data_ptr() != st[0].data_ptr()
+                or last.down_proj.weight.data_ptr() != st[1][-1].data_ptr()):
+            I = first.gate_proj.weight.shape[0]
+            w13 = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts])
+            w2 = torch.stack([m.down_proj.weight for m in experts])
+            for i, m in enumerate(experts):
+                m.gate_proj.weight.data, m.up_proj.weight.data = w13[i, :I], w13[i, I:]
+                m.down_proj.weight.data = w2[i]
+            self._stacked = st = (w13, w2)
+        return st

@@ -9,6 +9,14 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_PORTS = {"target": 50052, "draft": 50053}
 DEFAULT_DIST_ADDRS = {"target": "127.0.0.1:29660", "draft": "127.0.0.1:29670"}
+FLAG_HELP = {
+    "random_config": "serve a random-weight preset of models/presets.py (v2-lite, v2-lite-yarn, tiny) built "
+                     "on the device, instead of --model; no tokenizer: clients send token ids",
+    "seed": "seed of the --random-config weights (target and draft must use the same one)",
+    "synthetic_acceptance": "BENCHMARK ONLY, changes the output: the target accepts each draft token with "
+                            "probability P (stopping at the first rejection) instead of checking it, after the "
+                            "real forward pass; greedy requests only. < 0: off (default)",
+}
 
 
 @dataclass(frozen=True)
@@ -20,12 +28,13 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 0
     bridge_addr: str = "127.0.0.1:29650"
-    hidden_transport: str = "auto"   # auto | gloo | nccl | inline
+    hidden_transport: str = "auto"   # auto | gloo | nccl | ipc | inline (auto: agreed with the peer, services/bridge)
     num_blocks: int = 2048
     block_size: int = 16
     max_model_len: int = 4096
     threads: int = 1                 # torch CPU threads (one per process keeps a local cluster calm)
     bridge_timeout_s: float = 10.0   # draft: how long Propose waits for a bridge frame
+    bridge_ipc_mib: int = 64         # target: CUDA IPC slot (largest transfer it carries; larger ones go inline)
     tp: int = 1                      # tensor-parallel ranks (processes)
     ep: int = 1                      # expert-parallel groups among them (divides tp)
     sequence_parallel: bool = False  # SP-MoE: rows reduce-scattered around each MoE layer
@@ -38,6 +47,10 @@ class ServiceConfig:
     max_message_bytes: int = 256 << 20   # largest gRPC message received or sent (inline rows included)
     max_draft_tokens: int = 16       # per request: Propose's num_draft_tokens / Verify's draft_token_ids
     max_logprobs: int = 20           # target: top-n alternatives a Prefill / Verify item may ask for
+    random_config: str = ""          # a models/presets.py preset with random weights instead of --model
+    seed: int = 0                    # --random-config: the weights' seed (target and draft must agree)
+    synthetic_acceptance: float = -1.0   # BENCHMARK ONLY (target): accept each draft with this probability
+    enforce_eager: bool = False      # cuda: no CUDA graphs (they are used where tp = 1, models/cuda_graphs.py)
 
     @property
     def rank_device(self) -> str:
@@ -53,28 +66,29 @@ class ServiceConfig:
 
     @property
     def bridge_backend(self) -> str | None:
-        """None: inline rows only. auto: NCCL between GPUs, gloo on CPU."""
-        if self.hidden_transport == "inline":
-            return None
-        if self.hidden_transport == "auto":
-            return "nccl" if self.device.startswith("cuda") else "gloo"
-        return self.hidden_transport
+        """None: inline rows only. Otherwise what this side asks its bridge for (auto | gloo | nccl | ipc);
+        auto is settled with the peer's device (NCCL between GPUs, CUDA IPC on one GPU, gloo on CPU)."""
+        return None if self.hidden_transport == "inline" else self.hidden_transport
 
     def validate(self) -> "ServiceConfig":
         def need(ok, msg):
             if not ok:
                 raise SystemExit(f"tandem {self.role}: {msg}")
         need(self.dtype in DTYPES, f"--dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        need(self.hidden_transport in ("auto", "gloo", "nccl", "inline"),
-             f"--hidden-transport must be auto|gloo|nccl|inline, got {self.hidden_transport!r}")
+        need(self.hidden_transport in ("auto", "gloo", "nccl", "ipc", "inline"),
+             f"--hidden-transport must be auto|gloo|nccl|ipc|inline, got {self.hidden_transport!r}")
         need(not self.device.startswith("cuda") or torch.cuda.is_available(), "--device cuda but CUDA is not available")
-        need(self.bridge_backend != "nccl" or self.device.startswith("cuda"), "--hidden-transport nccl needs --device cuda")
+        need(self.bridge_backend not in ("nccl", "ipc") or self.device.startswith("cuda"),
+             f"--hidden-transport {self.hidden_transport} needs --device cuda")
+        need(self.bridge_ipc_mib > 0, f"--bridge-ipc-mib must be > 0, got {self.bridge_ipc_mib}")
         need(self.num_blocks > 0 and self.block_size > 0, "--num-blocks and --block-size must be > 0")
         need(":" in self.bridge_addr, f"--bridge-addr must be host:port, got {self.bridge_addr!r}")
         need(self.tp >= 1 and self.ep >= 1 and self.tp % self.ep == 0, f"--ep ({self.ep}) must divide --tp ({self.tp})")
         need(0 <= self.rank < self.tp, f"--rank must be in [0, {self.tp}), got {self.rank}")
         need(self.max_message_bytes >= 1 << 16, f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
         need(self.max_draft_tokens >= 0 and self.max_logprobs >= 0, "--max-draft-tokens and --max-logprobs must be >= 0")
+        need(self.synthetic_acceptance < 0 or 0 <= self.synthetic_acceptance <= 1,
+             f"--synthetic-acceptance must be in [0, 1] (or < 0: off), got {self.synthetic_acceptance}")
         self.tls.validate(f"tandem {self.role}")
         return self
 
@@ -96,9 +110,19 @@ def parse(role: str, argv, description: str) -> ServiceConfig:
         if isinstance(f.default, bool):
             p.add_argument(flag, dest=f.name, action="store_true")
         else:
-            p.add_argument(flag, dest=f.name, default=default, type=type(f.default) if f.name != "model" else str)
+            p.add_argument(flag, dest=f.name, default=default, type=type(f.default) if f.name != "model" else str,
+                           help=FLAG_HELP.get(f.name))
     a = p.parse_args(argv)
     a.dist_addr = a.dist_addr or DEFAULT_DIST_ADDRS[role]
+    if a.random_config:
+        from models.presets import PresetError, random_model_id
+        if a.model:
+            raise SystemExit(f"tandem {role}: --model ({a.model}) and --random-config ({a.random_config}) "
+                             "exclude each other")
+        try:
+            a.model = random_model_id(a.random_config, a.seed)
+        except PresetError as e:
+            raise SystemExit(f"tandem {role}: {e}") from None
     return ServiceConfig(role=role, **{**vars(a), "model": str(a.model or default_model())}).validate()
 
 

@@ -39,7 +39,11 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 @functools.lru_cache(maxsize=8)
 def model_identity(model_dir: str) -> str:
-    """'sha256:<16 hex>' of config.json and the tensors' names, dtypes and shapes."""
+    """'sha256:<16 hex>' of config.json and the tensors' names, dtypes and shapes (a random model id,
+    `random:NAME:seed=S`: of the preset's config, its name and the seed; models/presets.py)."""
+    from models.presets import parse_random_id, random_identity
+    if parse_random_id(model_dir) is not None:
+        return random_identity(model_dir)
     root = Path(model_dir)
     h = hashlib.sha256()
     config = json.loads((root / "config.json").read_text())

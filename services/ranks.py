@@ -7,6 +7,8 @@ cache bookkeeping stays identical. Workers exit when rank 0 goes away.
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import subprocess
@@ -62,10 +64,12 @@ class RankGroup:
         if self.broken:
             raise ServiceError("UNAVAILABLE", self.broken)
         if self.ps.tp_size == 1:
-            return getattr(self.engine, method)(*args)
+            with on_device(self.engine.cache.device):
+                return getattr(self.engine, method)(*args)
         try:
             dist.broadcast_object_list([(method, _cpu(args))], src=0)
-            return getattr(self.engine, method)(*args)
+            with on_device(self.engine.cache.device):
+                return getattr(self.engine, method)(*args)
         except ServiceError:
             raise
         except Exception as e:
@@ -90,7 +94,8 @@ class RankGroup:
                 return
             method, args = msg[0]
             try:
-                getattr(self.engine, method)(*args)
+                with on_device(self.engine.cache.device):
+                    getattr(self.engine, method)(*args)
             except ServiceError:
                 pass                       # rank 0 raised the same error and answered the client
 
@@ -101,6 +106,12 @@ class RankGroup:
                 dist.broadcast_object_list([None], src=0)
             except Exception as e:
                 log.info("closing the rank group: a worker is already gone (%s)", type(e).__name__)
+
+
+def on_device(device: torch.device):
+    """The engine's GPU as this thread's current device: gRPC worker threads start on cuda:0, and
+    Triton launches on the current device (a draft on cuda:1 would pass cuda:1 pointers to cuda:0)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _cpu(x):
@@ -159,7 +170,7 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
                 add_servicer, service_name: str) -> int:
     """Start one target or draft process: rank 0 serves gRPC, the others replay its engine calls."""
     from models.kv_cache import PagedKVCache
-    from models.loader import load_model
+    from models.presets import load_any
     from services.bridge.channel import RowChannel
     from services.config import parse, setup_torch
     from tandem import grpc_server
@@ -169,20 +180,26 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
         setup_torch(cfg)
         ps = init_group(cfg)
         try:
-            model = load_model(model_cls, cfg.model, ps=ps, dtype=cfg.torch_dtype, device=cfg.rank_device)
+            model = load_any(model_cls, cfg.model, ps=ps, dtype=cfg.torch_dtype, device=cfg.rank_device)
         except ValueError as e:                    # layout errors: heads/experts not divisible, ...
             raise SystemExit(f"tandem {role}: {e}") from None
         mc = model.cfg
         cache = PagedKVCache(model.num_cache_layers, cfg.num_blocks, cfg.block_size, mc.kv_lora_rank,
                              mc.qk_rope_head_dim, cfg.torch_dtype, cfg.rank_device)
-        group = RankGroup(engine_cls(model, cache, min(cfg.max_model_len, mc.max_position_embeddings)), ps)
+        max_len = min(cfg.max_model_len, mc.max_position_embeddings)
+        engine = engine_cls(model, cache, max_len)
+        if cfg.device.startswith("cuda") and cfg.tp == 1 and not cfg.enforce_eager:
+            from models.cuda_graphs import GraphedForward
+            engine.forward = GraphedForward(model, cache, mc.hidden_size, cfg.torch_dtype, max_len,
+                                            extra_rows=1 if role == "draft" else 0)
+        group = RankGroup(engine, ps)
         if cfg.rank > 0:
             group.serve_worker()
             return 0
         backend = cfg.bridge_backend
         log.info("%s: model identity %s (%s)", role, model_identity(cfg.model), cfg.model)
         channel = RowChannel(cfg.bridge_addr, "sender" if role == "target" else "receiver", backend,
-                             cfg.rank_device, hello=hello(cfg)) if backend else None
+                             cfg.rank_device, hello=hello(cfg), ipc_bytes=cfg.bridge_ipc_mib << 20) if backend else None
         servicer = make_servicer(cfg, group, channel)
         try:
             from tandem import tracing

@@ -1,4 +1,5 @@
-"""`tandem bench acceptance`: draft acceptance of the served cluster on held-out text.
+"""`tandem bench acceptance`: draft acceptance of the served cluster on held-out text; the dispatcher
+of every `tandem bench` (speed: tandem/bench_speed.py, bridge: bench_bridge.py, floor: bench_floor.py).
 
 Starts `tandem serve` (or uses --gateway ADDR), sends held-out code prompts with greedy and
 temperature-1 decoding at K = 1..max, and reports vLLM's metrics: mean acceptance length
@@ -106,16 +107,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_cluster(model: str, kmax: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_cluster(model: str | None, kmax: int, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
+    """`tandem serve` on free ports -> (process, gateway gRPC address, gateway HTTP address).
+    model None: `extra` names the model (--random-config NAME)."""
     ports = [_free_port() for _ in range(6)]
-    cmd = [sys.executable, "-m", "tandem", "serve", "--model", model, "-k", str(kmax),
+    cmd = [sys.executable, "-m", "tandem", "serve", *(["--model", model] if model else []), "-k", str(kmax),
            "--grpc-port", str(ports[0]), "--target-port", str(ports[1]), "--draft-port", str(ports[2]),
            "--bridge-port", str(ports[3]), "--dist-port", str(ports[4]), "--http-port", str(ports[5]), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:                   # "tandem: serving ..." means all three are SERVING
+        print(line, end="", flush=True)
         if line.startswith("tandem: serving"):
-            return proc, f"127.0.0.1:{ports[0]}"
+            return proc, f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[5]}"
     raise SystemExit(f"tandem serve exited with code {proc.wait()}")
+
+
+def stop_cluster(proc: subprocess.Popen | None) -> None:
+    if proc is not None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
 
 
 def acceptance(argv) -> int:
@@ -135,7 +145,7 @@ def acceptance(argv) -> int:
     model = str(a.model or default_model())
     proc = None
     if a.gateway is None:
-        proc, a.gateway = start_cluster(model, a.max_k, extra)
+        proc, a.gateway, _ = start_cluster(model, a.max_k, extra)
     try:
         stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(a.gateway))
         prompts = heldout_prompts(Path(model), a.prompts, a.prompt_chars, a.seed)
@@ -144,9 +154,7 @@ def acceptance(argv) -> int:
         for t in (float(x) for x in a.temperatures.split(",")):
             rows += run_acceptance(stub, prompts, list(range(1, a.max_k + 1)), t, a.max_tokens, a.concurrency)
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+        stop_cluster(proc)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     md = (f"Acceptance of {model} on {a.prompts} held-out prompts ({a.prompt_chars} chars), "
@@ -159,77 +167,29 @@ def acceptance(argv) -> int:
     return 0
 
 
-def run_speed(stub, prompts: list[str], k: int, batch: int, max_tokens: int) -> dict:
-    """`batch` concurrent greedy requests at a time until every prompt is done -> decode tokens/s."""
-    def one(p):
-        t0 = time.perf_counter()
-        r = stub.Generate(generate_pb2.GenerateRequest(text=p, max_tokens=max_tokens, ignore_eos=True,
-                                                       num_speculative_tokens=k), timeout=900)
-        return r, time.perf_counter() - t0
-    with ThreadPoolExecutor(batch) as pool:
-        list(pool.map(one, prompts[:batch]))                          # warm-up
-        t0 = time.perf_counter()
-        results = list(pool.map(one, prompts))
-        wall = time.perf_counter() - t0
-    tokens = sum(r.usage.completion_tokens for r, _ in results)
-    drafts = sum(r.spec_stats.num_drafts for r, _ in results)
-    accepted = sum(r.spec_stats.num_accepted_tokens for r, _ in results)
-    return {"k": k, "batch": batch, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-            "p50_request_s": sorted(t for _, t in results)[len(results) // 2]}
-
-
-def speed(argv) -> int:
-    from tandem.cli import default_model
-    p = argparse.ArgumentParser(prog="tandem bench speed", description="decode tokens/s of the served "
-                                "cluster for K and batch sizes, ratios against K = 0 in the same run")
-    p.add_argument("--model", default=None)
-    p.add_argument("--gateway", default=None)
-    p.add_argument("--ks", default="0,1,2,3,4")
-    p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--requests-per-batch", type=int, default=2, help="requests = this x batch size")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--out", default="results/speed")
-    a, extra = p.parse_known_args(argv)
-    model = str(a.model or default_model())
-    ks = [int(x) for x in a.ks.split(",")]
-    proc = None
-    if a.gateway is None:
-        proc, a.gateway = start_cluster(model, max(ks), extra)
-    rows = []
-    try:
-        stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(a.gateway))
-        for b in (int(x) for x in a.batches.split(",")):
-            prompts = heldout_prompts(Path(model), b * a.requests_per_batch, 400, seed=b)
-            base = None
-            for k in ks:
-                r = run_speed(stub, prompts, k, b, a.max_tokens)
-                base = base or r["tokens_per_s"]
-                r["speedup"] = r["tokens_per_s"] / base
-                rows.append(r)
-                print(f"batch {b:3d} K={k}: {r['tokens_per_s']:8.1f} tok/s  x{r['speedup']:.2f}  "
-                      f"MAL {r['mean_acceptance_length']:.2f}", flush=True)
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-    lines = ["| batch | K | decode tokens/s | speedup vs K=0 | mean acceptance length | p50 request s |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
-              f"{r['mean_acceptance_length']:.2f} | {r['p50_request_s']:.2f} |" for r in rows]
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    md = f"Speed of {model} ({' '.join(extra) or 'cpu'}), greedy, {a.max_tokens} new tokens\n\n" + "\n".join(lines) + "\n"
-    (out / "speed.md").write_text(md)
-    (out / "speed.json").write_text(json.dumps(rows, indent=1))
-    print(md)
-    return 0
+BENCHES = {"acceptance": "tandem.bench:acceptance", "speed": "tandem.bench_speed:main",
+           "inprocess": "tandem.bench_inprocess:main", "bridge": "tandem.bench_bridge:main",
+           "floor": "tandem.bench_floor:main"}
 
 
 def main(argv=None) -> int:
     argv = list(argv or [])
-    benches = {"acceptance": acceptance, "speed": speed}
-    if not argv or argv[0] not in benches:
-        print(f"usage: tandem bench {{{','.join(benches)}}} [options]", file=sys.stderr)
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: tandem bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
         return 2
-    return benches[argv[0]](argv[1:])
+    import importlib
+    module, fn = BENCHES[argv[0]].split(":")
+    return getattr(importlib.import_module(module), fn)(argv[1:])
+
+
+def bench_prompts(model: str, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+    """n prompts as token ids: uniform random ids for a random model id (`random:NAME:seed=S`),
+    else held-out text cut to about prompt_tokens tokens by the checkpoint's tokenizer."""
+    from models.presets import model_config, parse_random_id
+    if parse_random_id(model) is not None:
+        vocab = model_config(model).vocab_size
+        rng = random.Random(seed)
+        return [[rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(n)]
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    return [tok.encode(t).ids[:prompt_tokens] for t in heldout_prompts(Path(model), n, prompt_tokens * 6, seed)]

@@ -41,8 +41,12 @@ def parse(argv):
     p.add_argument("--model", default=None)
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=3)
     p.add_argument("--device", default="cpu", help="cpu | cuda (target on cuda:0, draft on cuda:1 if present)")
+    p.add_argument("--draft-device", default="", help="the draft's device, e.g. cuda:0 to share the target's GPU "
+                   "(hidden rows then move by CUDA IPC); default: cuda:1 with --device cuda and two GPUs, else "
+                   "the target's")
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--hidden-transport", default="auto", choices=["auto", "gloo", "nccl", "inline"])
+    p.add_argument("--hidden-transport", default="auto", choices=["auto", "gloo", "nccl", "ipc", "inline"],
+                   help="auto: NCCL between two GPUs, CUDA IPC on one GPU, gloo on CPU")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051, help="the gateway's public gRPC port")
     p.add_argument("--http-port", type=int, default=8000, help="the gateway's REST API (OpenAI-compatible)")
@@ -69,44 +73,75 @@ def parse(argv):
     p.add_argument("--max-prompt-tokens", type=int, default=0, help="gateway: longest prompt (0: the model's limit)")
     p.add_argument("--max-output-tokens", type=int, default=0, help="gateway: largest max_tokens (0: the model's limit)")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="gateway: largest REST body / gRPC message")
+    p.add_argument("--random-config", default="", help="serve a random-weight preset (models/presets.py: v2-lite, "
+                   "v2-lite-yarn, tiny) built on the device instead of --model; no tokenizer: send token ids")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --random-config weights")
+    p.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs in target and draft")
+    p.add_argument("--synthetic-acceptance", type=float, default=-1.0, help="BENCHMARK ONLY, changes the output: "
+                   "the target accepts each draft with probability P after its real forward (greedy only; "
+                   "< 0: off). See services/target/synthetic.py")
     from tandem import tls as tls_mod
     tls_mod.add_flags(p)              # the same files for all three services (mutual TLS between them with a CA)
     a = p.parse_args(argv)
     a.tls = tls_mod.TlsFiles(a.tls_cert, a.tls_key, a.tls_ca).validate("tandem serve")
-    a.model = str(a.model or default_model())
+    if a.random_config and a.model:
+        p.error(f"--model ({a.model}) and --random-config ({a.random_config}) exclude each other")
+    a.model = "" if a.random_config else str(a.model or default_model())
     a.dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     return a
 
 
+def placement(a) -> tuple[str, str]:
+    """(target device, draft device). --device cuda: the target on cuda:0, the draft on --draft-device,
+    else cuda:1 when two GPUs are visible, else cuda:0 (one GPU shared: rows move by CUDA IPC)."""
+    def norm(dev: str) -> str:
+        return "cuda:0" if dev == "cuda" else dev
+    t_dev = norm(a.device)
+    if a.draft_device:
+        d_dev = norm(a.draft_device)
+    elif a.device == "cuda":
+        import torch
+        d_dev = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    else:
+        d_dev = t_dev
+    cuda = t_dev.startswith("cuda") and d_dev.startswith("cuda")
+    if a.hidden_transport == "nccl" and (not cuda or t_dev == d_dev):
+        raise SystemExit(f"tandem serve: --hidden-transport nccl needs target and draft on two different GPUs, "
+                         f"got target {t_dev}, draft {d_dev} (use auto or ipc on one GPU)")
+    if a.hidden_transport == "ipc" and (not cuda or t_dev != d_dev):
+        raise SystemExit(f"tandem serve: --hidden-transport ipc needs target and draft on the same GPU, "
+                         f"got target {t_dev}, draft {d_dev} (use auto or nccl across GPUs)")
+    return t_dev, d_dev
+
+
 def commands(a) -> list[tuple[str, list[str], str]]:
     py = [sys.executable, "-m", "tandem"]
-    t_dev = d_dev = a.device
-    if a.device == "cuda":
-        import torch
-        t_dev, d_dev = "cuda:0", ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
-    transport = a.hidden_transport
-    if transport == "auto" and t_dev == d_dev and t_dev != "cpu":
-        transport = "inline"          # one GPU: NCCL refuses two ranks on it
-    common = ["--model", a.model, "--dtype", a.dtype, "--hidden-transport", transport,
-              "--bridge-addr", f"127.0.0.1:{a.bridge_port}", "--num-blocks", str(a.num_blocks)]
+    t_dev, d_dev = placement(a)
+    transport = a.hidden_transport    # auto: target and draft settle it from both devices (services/bridge)
+    model = ["--random-config", a.random_config, "--seed", str(a.seed)] if a.random_config else ["--model", a.model]
+    common = model + ["--dtype", a.dtype, "--hidden-transport", transport,
+                      "--bridge-addr", f"127.0.0.1:{a.bridge_port}", "--num-blocks", str(a.num_blocks)]
     if a.otlp_endpoint:
         common += ["--otlp-endpoint", a.otlp_endpoint]
     tls = [x for flag, path in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key), ("--tls-ca", a.tls_ca))
            if path for x in (flag, path)]
-    common += tls
+    common += tls + (["--enforce-eager"] if a.enforce_eager else [])
     sp = ["--sequence-parallel"] if a.sequence_parallel else []
     cmds = [("target", py + ["target", "--device", t_dev, "--grpc-port", str(a.target_port), "--tp", str(a.tp),
-                             "--ep", str(a.ep), "--dist-addr", f"127.0.0.1:{a.dist_port}"] + sp + common,
+                             "--ep", str(a.ep), "--dist-addr", f"127.0.0.1:{a.dist_port}"] + sp + common
+             + (["--synthetic-acceptance", str(a.synthetic_acceptance)] if a.synthetic_acceptance >= 0 else []),
              f"127.0.0.1:{a.target_port}")]
     if a.num_speculative_tokens > 0:
         cmds.append(("draft", py + ["draft", "--device", d_dev, "--grpc-port", str(a.draft_port),
                                     "--tp", str(a.draft_tp), "--dist-addr", f"127.0.0.1:{a.dist_port + 10}"]
                      + sp + common, f"127.0.0.1:{a.draft_port}"))
-    cmds.append(("gateway", py + ["gateway", "--model", a.model, "-k", str(a.num_speculative_tokens),
+    cmds.append(("gateway", py + ["gateway", *(["--random-config", a.random_config] if a.random_config
+                                                else ["--model", a.model]), "-k", str(a.num_speculative_tokens),
                                   "--host", a.host, "--grpc-port", str(a.grpc_port),
                                   "--target-addr", f"127.0.0.1:{a.target_port}",
                                   "--draft-addr", f"127.0.0.1:{a.draft_port}",
-                                  "--hidden-transport", transport, "--max-batch", str(a.max_batch),
+                                  "--hidden-transport", "auto" if transport == "ipc" else transport,
+                                  "--max-batch", str(a.max_batch),
                                   "--http-port", str(a.http_port), "--served-model-name", a.served_model_name,
                                   "--api-key", a.api_key, "--otlp-endpoint", a.otlp_endpoint,
                                   "--max-prompt-tokens", str(a.max_prompt_tokens),
@@ -132,7 +167,11 @@ def main(argv=None) -> int:
     try:
         for name, _, addr in commands(a):
             wait_serving(addr, sup.start(name), name, a.startup_timeout, a.tls)
-        print(f"tandem: serving {a.model} (K={a.num_speculative_tokens}, {a.device})", flush=True)
+        if a.synthetic_acceptance >= 0:
+            print(f"tandem: WARNING: BENCHMARK ONLY --synthetic-acceptance {a.synthetic_acceptance}: drafts are "
+                  "accepted at random, the output is not the model's", flush=True)
+        what = f"random:{a.random_config} (seed {a.seed})" if a.random_config else a.model
+        print(f"tandem: serving {what} (K={a.num_speculative_tokens}, {a.device})", flush=True)
         for name, _, addr in commands(a):
             print(f"  {name:8s} grpc://{addr}", flush=True)
         print(f"  {'REST':8s} {'https' if a.tls.cert else 'http'}://{a.host}:{a.http_port}/v1 (OpenAI-compatible; "

@@ -1,5 +1,5 @@
 """GPU end to end: `tandem serve --device cuda` (target on cuda:0, draft on cuda:1 over the NCCL bridge
-when two GPUs are present; one GPU: the inline transport). Skipped on machines without CUDA."""
+when two GPUs are present; one GPU: both on cuda:0 over the CUDA IPC bridge). Skipped without CUDA."""
 import signal
 import subprocess
 import sys
@@ -15,7 +15,6 @@ from tandem.v1 import (draft_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grp
                        target_pb2_grpc)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; this machine has none")
-TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +60,7 @@ def test_bridge_carries_rows_and_contract_fires_on_cuda(cuda_cluster):
         request_id="gpu-contract", prompt_token_ids=prompt)], return_hidden_rows=True,
         transport=rows_pb2.TRANSPORT_BRIDGE), timeout=60)
     rows = resp.hidden_rows
-    expected = rows_pb2.TRANSPORT_BRIDGE if TWO_GPUS else rows_pb2.TRANSPORT_INLINE
-    assert rows.transport == expected and rows.num_rows == len(prompt)
+    assert rows.transport == rows_pb2.TRANSPORT_BRIDGE and rows.num_rows == len(prompt)
     item = draft_pb2.ProposeItem(request_id="gpu-contract", new_token_ids=prompt + [resp.first_token_ids[0]],
                                  num_draft_tokens=2, position=0)
     bad = draft_pb2.ProposeRequest(items=[item], hidden_rows=[rows])

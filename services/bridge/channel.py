@@ -1,7 +1,9 @@
-"""The bridge: a two-rank torch.distributed channel that moves hidden rows target -> draft.
+"""The bridge: a two-process channel that moves hidden rows target -> draft.
 
-Rank 0 (target) sends, rank 1 (draft) receives; gloo on CPU, NCCL between GPUs. The group is
-built from its own TCPStore rendezvous (not the target's TP group), so either side can start first.
+Rank 0 (target) sends, rank 1 (draft) receives. The transport is agreed at start-up from both sides'
+request and device (`choose_transport`): gloo on CPU, NCCL between two GPUs, CUDA IPC (ipc.py) when
+both are on one GPU (NCCL refuses two ranks on one device). The channel has its own TCPStore
+rendezvous (not the target's TP group), so either side can start first.
 
 Pull, not push: the target parks each transfer's rows under its id and answers when the draft
 asks for that id. No point-to-point operation is ever left posted while its peer is busy: an
@@ -9,11 +11,16 @@ outstanding NCCL receive (or send) deadlocks against work that synchronizes the 
 cudaMalloc, a pageable copy) on that side. A request goes through the store; the target acks it
 (so the draft can time out on the CPU without posting anything) and then sends a frame:
 a header [transfer_id, rows, bytes per row, dtype] and the payload as bytes, on the channel's own
-CUDA stream. Parked rows not pulled within PARK_TTL_S are dropped.
+CUDA stream (NCCL / gloo: both by p2p; IPC: the header through the store, the payload through the
+shared slot). Pulls are serialized, so at most one frame is in flight. Parked rows not pulled within
+PARK_TTL_S are dropped.
 
-Handshake: before any process group exists, each side publishes its `hello` (model identity and
+Handshake: before any transport exists, each side publishes its `hello` (model identity and
 contract version) in the store and reads its peer's; a mismatch ends the channel on both sides with
-an error naming both values, so rows never move between different models.
+an error naming both values, so rows never move between different models. Then each publishes its
+endpoint (requested transport, device, GPU UUID, process) under its own keys (devices differ
+legitimately, so they are not part of `hello`); both sides compute the transport from the same two
+records, so they agree, or both fail naming both.
 The store's server listens on the bridge address's host only (loopback by default), never on all
 interfaces: TCPStore binds every interface unless handed a socket (`tcp_store`).
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -30,8 +38,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from services.bridge.ipc import DEFAULT_CAPACITY, IpcReceiver, IpcSender, device_uuid, error_answer
+
 log = logging.getLogger("tandem.bridge")
 PARK_TTL_S = 120.0
+TRANSPORTS = ("auto", "gloo", "nccl", "ipc")     # what a side may ask for (inline: no channel at all)
 _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
 
@@ -50,23 +61,72 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: t
                          master_listen_fd=sock.detach())         # the store owns the fd from here
 
 
+def endpoint(requested: str, device) -> dict:
+    """This side's record for `choose_transport`: the same GPU has the same UUID in every process."""
+    device = torch.device(device)
+    return {"requested": requested, "device": str(device), "uuid": device_uuid(device),
+            "process": f"{socket.gethostname()}:{os.getpid()}"}
+
+
+def choose_transport(sender: dict, receiver: dict) -> str:
+    """Both sides' `endpoint` records -> gloo | nccl | ipc; TransportError naming both sides.
+
+    auto: gloo when either side is on the CPU (or both ends live in one process on one GPU), NCCL
+    between two GPUs, CUDA IPC on one GPU. An explicit choice on one side wins over auto on the
+    other; two different explicit choices are an error, as is one the devices cannot carry."""
+    s, r = sender["requested"], receiver["requested"]
+    both = (f"target --hidden-transport {s} on {sender['device']} (GPU {sender['uuid'] or '-'}), "
+            f"draft --hidden-transport {r} on {receiver['device']} (GPU {receiver['uuid'] or '-'})")
+    for side, v in (("target", s), ("draft", r)):
+        if v not in TRANSPORTS:
+            raise TransportError(f"{side} asks for hidden transport {v!r}, expected one of {list(TRANSPORTS)}")
+    if "auto" not in (s, r) and s != r:
+        raise TransportError(f"target and draft ask for different hidden-row transports: {both}")
+    want = r if s == "auto" else s
+    cuda = sender["device"].startswith("cuda") and receiver["device"].startswith("cuda")
+    same_gpu = cuda and bool(sender["uuid"]) and sender["uuid"] == receiver["uuid"]
+    same_process = sender["process"] == receiver["process"]
+    if want == "auto":
+        return "gloo" if not cuda or (same_gpu and same_process) else "ipc" if same_gpu else "nccl"
+    if want == "nccl" and (not cuda or same_gpu):
+        raise TransportError("the nccl hidden transport needs target and draft on two different GPUs "
+                             f"(NCCL refuses two ranks on one GPU; use auto or ipc there): {both}")
+    if want == "ipc" and (not same_gpu or same_process):
+        raise TransportError("the ipc hidden transport needs target and draft on the same GPU in two "
+                             f"processes (use auto or nccl across GPUs): {both}")
+    return want
+
+
+class TransportError(RuntimeError):
+    """Target and draft cannot agree on a transport for their devices."""
+
+
 class HandshakeError(RuntimeError):
     """Target and draft are not the same model (or not the same contract)."""
 
 
 class RowChannel:
     def __init__(self, address: str, role: str, backend: str = "gloo", device: str = "cpu",
-                 timeout_s: float = 600.0, hello: dict | None = None):
+                 timeout_s: float = 600.0, hello: dict | None = None, ipc_bytes: int = DEFAULT_CAPACITY):
+        """backend: what this side asks for (auto | gloo | nccl | ipc); `transport` is what both agreed.
+        ipc_bytes: the sender's CUDA IPC slot (the largest transfer IPC carries; the receiver's is unused)."""
         if role not in ("sender", "receiver"):
             raise ValueError(f"role must be sender or receiver, got {role!r}")
+        if backend not in TRANSPORTS:
+            raise ValueError(f"backend must be one of {list(TRANSPORTS)}, got {backend!r}")
         host, port = address.rsplit(":", 1)
         self.role, self.backend, self.device = role, backend, torch.device(device)
         self.rank, self.peer = (0, 1) if role == "sender" else (1, 0)
+        self._peer_role = "receiver" if role == "sender" else "sender"
         self._timeout = timedelta(seconds=timeout_s)
         self._store = tcp_store(host, int(port), 2, role == "sender", self._timeout)
         self.hello = dict(hello or {})                # what the peer must match: model_identity, contract_version
         self._prefix = "tandem-bridge/0/"
+        self._ipc_bytes = ipc_bytes
+        self.transport: str | None = None             # gloo | nccl | ipc, once agreed
+        self._wire = self.device                      # where frames travel: the CPU for gloo
         self._pg = None
+        self._ipc: IpcSender | IpcReceiver | None = None
         self._ready = threading.Event()
         self._parked: dict[int, tuple[float, torch.Tensor, object]] = {}
         self._lock = threading.Condition()
@@ -84,26 +144,34 @@ class RowChannel:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)   # the current device is per thread
             self._handshake()
-            store = dist.PrefixStore(self._prefix + "pg", self._store)
-            if self.backend == "nccl":
-                self._pg = dist.ProcessGroupNCCL(store, self.rank, 2)
+            self.transport = self._agree()
+            if self.transport == "ipc":
+                self._ipc = self._open_ipc()
             else:
-                self._pg = dist.ProcessGroupGloo(store, self.rank, 2, self._timeout)
+                self._wire = torch.device("cpu") if self.transport == "gloo" else self.device
+                store = dist.PrefixStore(self._prefix + "pg", self._store)
+                if self.transport == "nccl":
+                    self._pg = dist.ProcessGroupNCCL(store, self.rank, 2)
+                else:
+                    self._pg = dist.ProcessGroupGloo(store, self.rank, 2, self._timeout)
             self._ready.set()
-            log.info("bridge %s connected (%s, %s)", self.role, self.backend, self.device)
+            log.info("bridge %s connected (%s, %s)", self.role, self.transport, self.device)
             if self.role == "sender":
                 self._serve_pulls()
         except Exception as e:  # the channel is gone; the target falls back to inline rows
             self.error = f"{type(e).__name__}: {e}"
             log.error("bridge %s failed: %s", self.role, self.error)
 
+    def _exchange(self, name: str, value: str | bytes) -> bytes:
+        """Publish this side's `name`, wait for the peer's and return it."""
+        self._store.set(f"{self._prefix}{name}/{self.role}", value)
+        key = f"{self._prefix}{name}/{self._peer_role}"
+        self._store.wait([key], self._timeout)
+        return self._store.get(key)
+
     def _handshake(self) -> None:
         """Publish hello, wait for the peer's; HandshakeError naming both sides' values on a mismatch."""
-        peer_role = "receiver" if self.role == "sender" else "sender"
-        self._store.set(f"{self._prefix}hello/{self.role}", json.dumps(self.hello))
-        key = f"{self._prefix}hello/{peer_role}"
-        self._store.wait([key], self._timeout)
-        peer = json.loads(self._store.get(key))
+        peer = json.loads(self._exchange("hello", json.dumps(self.hello)))
         target, draft = (self.hello, peer) if self.role == "sender" else (peer, self.hello)
         bad = [f"{k}: target {target.get(k)!r}, draft {draft.get(k)!r}"
                for k in sorted(set(target) | set(draft)) if target.get(k) != draft.get(k)]
@@ -111,11 +179,44 @@ class RowChannel:
             raise HandshakeError("target and draft are not the same model; refusing to pair on the hidden-rows "
                                  "bridge (" + "; ".join(bad) + ")")
 
+    def _agree(self) -> str:
+        """Both sides compute the transport from the same two endpoint records."""
+        mine = endpoint(self.backend, self.device)
+        peer = json.loads(self._exchange("endpoint", json.dumps(mine)))
+        return choose_transport(*((mine, peer) if self.role == "sender" else (peer, mine)))
+
+    def _open_ipc(self) -> IpcSender | IpcReceiver:
+        """Sender: allocate the slot, publish it, attach the receiver's answer; receiver: map it and
+        answer. A side that fails publishes its error instead, so the other fails at once naming it."""
+        sender = self.role == "sender"
+        mine, theirs = f"{self._prefix}ipc/{self.role}", f"{self._prefix}ipc/{self._peer_role}"
+        if not sender:
+            self._store.wait([theirs], self._timeout)
+        try:
+            slot = (IpcSender(self.device, self._ipc_bytes) if sender
+                    else IpcReceiver(self.device, self._store.get(theirs)))
+            self._store.set(mine, slot.spec() if sender else slot.answer())
+        except Exception as e:
+            self._store.set(mine, error_answer(e))
+            raise
+        if sender:
+            self._store.wait([theirs], self._timeout)
+            slot.attach(self._store.get(theirs))
+        return slot
+
     # --- sender (target) -----------------------------------------------------------------------
+    def fits(self, rows: torch.Tensor) -> bool:
+        """Whether the agreed transport can carry rows [N, D] (the IPC slot is bounded; others are not)."""
+        return not isinstance(self._ipc, IpcSender) or self._ipc.fits(rows.numel() * rows.element_size())
+
     def send(self, transfer_id: int, rows: torch.Tensor) -> None:
-        """Park rows [N, D] under transfer_id until the draft pulls them; returns at once."""
+        """Park rows [N, D] under transfer_id until the draft pulls them; returns at once.
+        ValueError when they do not fit the transport (ask `fits` first: the caller sends them inline)."""
+        if not self.fits(rows):
+            raise ValueError(f"hidden rows transfer {transfer_id}: {rows.numel() * rows.element_size()} bytes "
+                             f"({rows.shape[0]} rows) exceed the CUDA IPC slot of {self._ipc.capacity} bytes")
         ready = None
-        if self._stream is not None:                 # the rows are complete once the caller's stream is
+        if self._stream is not None and rows.is_cuda:   # the rows are complete once the caller's stream is
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(rows.device))
         with self._lock:
@@ -137,15 +238,23 @@ class RowChannel:
                 with _on(self._stream):
                     if ready is not None:
                         self._stream.wait_event(ready)
-                    payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1).to(self.device)
-                    header = torch.tensor([tid, payload.shape[0], payload.shape[1], _DTYPE_CODE[rows.dtype]],
-                                          dtype=torch.int64, device=self.device)
-                    self._pg.send([header], self.peer, 0).wait()
-                    if payload.numel():
-                        self._pg.send([payload], self.peer, 1).wait()
-                    if self._stream is not None:
-                        self._stream.synchronize()
+                    self._send_frame(n, tid, rows)
             n += 1
+
+    def _send_frame(self, n: int, tid: int, rows: torch.Tensor) -> None:
+        code = _DTYPE_CODE[rows.dtype]
+        if self.transport == "ipc":                  # payload into the slot, header through the store
+            n_rows, row_bytes = self._ipc.write(rows.to(self.device), self._stream)
+            self._store.set(f"{self._prefix}frame/{n}", f"{tid},{n_rows},{row_bytes},{code}")
+            return
+        row_bytes = rows.shape[1] * rows.element_size()
+        payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], row_bytes).to(self._wire)
+        header = torch.tensor([tid, payload.shape[0], row_bytes, code], dtype=torch.int64, device=self._wire)
+        self._pg.send([header], self.peer, 0).wait()
+        if payload.numel():
+            self._pg.send([payload], self.peer, 1).wait()
+        if self._stream is not None:
+            self._stream.synchronize()
 
     # --- receiver (draft) ----------------------------------------------------------------------
     def take(self, transfer_id: int, timeout_s: float) -> torch.Tensor:
@@ -156,29 +265,47 @@ class RowChannel:
             n = self._pulls
             self._pulls += 1
             self._store.set(f"{self._prefix}pull/{n}", str(transfer_id))
-            ack = f"{self._prefix}ack/{n}"
-            try:
-                self._store.wait([ack], timedelta(seconds=timeout_s))
-            except Exception:
-                self.error = f"target did not answer pull {n} within {timeout_s:.1f}s"
-                raise TimeoutError(f"hidden rows transfer {transfer_id}: {self.error}") from None
-            if self._store.get(ack) != b"1":        # a LookupError: the caller answers NOT_FOUND
+            ack = self._wait(f"{self._prefix}ack/{n}", timeout_s, f"target did not answer pull {n}", transfer_id)
+            if ack != b"1":                           # a LookupError: the caller answers NOT_FOUND
                 raise LookupError(f"hidden rows transfer {transfer_id} is not held by the target "
                                   f"(expired, already taken, or never sent)")
             with _on(self._stream):
-                header = torch.empty(4, dtype=torch.int64, device=self.device)
-                self._pg.recv([header], self.peer, 0).wait()
-                tid, n_rows, nbytes, code = header.tolist()
-                payload = torch.empty(n_rows, nbytes, dtype=torch.uint8, device=self.device)
-                if payload.numel():
-                    self._pg.recv([payload], self.peer, 1).wait()
+                tid, n_rows, row_bytes, code, payload = self._recv_frame(n, transfer_id, timeout_s)
                 if self._stream is not None:
-                    self._stream.synchronize()
+                    self._stream.synchronize()        # rows complete (and the IPC slot free) from here
+                if payload.is_cuda:                   # made on the channel's stream, used on the caller's
+                    payload.record_stream(torch.cuda.current_stream(payload.device))
             if tid != transfer_id:                    # the channel is out of step: never use it again
                 self.error = f"pulled transfer {transfer_id}, received frame {tid}"
                 raise TimeoutError(f"hidden rows bridge: {self.error}")
         dtype = _CODE_DTYPE[code]
-        return payload.view(dtype).reshape(n_rows, nbytes // (torch.finfo(dtype).bits // 8))
+        return payload.view(dtype).reshape(n_rows, row_bytes // dtype.itemsize).to(self.device)
+
+    def _wait(self, key: str, timeout_s: float, what: str, transfer_id: int) -> bytes:
+        try:
+            self._store.wait([key], timedelta(seconds=timeout_s))
+        except Exception:
+            self.error = f"{what} within {timeout_s:.1f}s"
+            raise TimeoutError(f"hidden rows transfer {transfer_id}: {self.error}") from None
+        return self._store.get(key)
+
+    def _recv_frame(self, n: int, transfer_id: int, timeout_s: float):
+        """-> (transfer id, rows, bytes per row, dtype code, payload [rows, bytes per row] uint8)."""
+        if self.transport == "ipc":
+            header = self._wait(f"{self._prefix}frame/{n}", timeout_s, f"target sent no frame for pull {n}",
+                                transfer_id)
+            tid, n_rows, row_bytes, code = (int(x) for x in header.split(b","))
+            if n_rows * row_bytes > self._ipc.capacity:     # never sent so: the channel is out of step
+                self.error = f"frame {tid} of {n_rows} x {row_bytes} bytes exceeds the {self._ipc.capacity}-byte slot"
+                raise TimeoutError(f"hidden rows bridge: {self.error}")
+            return tid, n_rows, row_bytes, code, self._ipc.copy_out(n_rows, row_bytes, self._stream)
+        header = torch.empty(4, dtype=torch.int64, device=self._wire)
+        self._pg.recv([header], self.peer, 0).wait()
+        tid, n_rows, row_bytes, code = header.tolist()
+        payload = torch.empty(n_rows, row_bytes, dtype=torch.uint8, device=self._wire)
+        if payload.numel():
+            self._pg.recv([payload], self.peer, 1).wait()
+        return tid, n_rows, row_bytes, code, payload
 
     def discard(self, transfer_id: int) -> None:
         """Receiver side: nothing to free (rows are only moved when pulled)."""

@@ -40,6 +40,7 @@ class ProposeItem:
 class DraftEngine:
     def __init__(self, model, cache: PagedKVCache, max_model_len: int):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
+        self.forward = model                 # or a models.cuda_graphs.GraphedForward of it
         self.vocab_size = model.cfg.vocab_size
         self.committed: dict[str, int] = {}      # request id -> committed cache positions
         self.sampling: dict[str, DraftSampling] = {}
@@ -118,8 +119,8 @@ class DraftEngine:
     def _step(self, ids: list[str], toks: list[list[int]], hidden: torch.Tensor, step: int) -> torch.Tensor:
         batch = self.cache.prepare(ids, [len(t) for t in toks])
         tokens = torch.tensor([t for ts in toks for t in ts], device=self.cache.device)
-        out = self.model(tokens, hidden.to(self.cache.device, next(self.model.parameters()).dtype),
-                         batch, self.cache, step=step)
+        out = self.forward(tokens, hidden.to(self.cache.device, next(self.model.parameters()).dtype),
+                           batch, self.cache, step=step % self.model.num_cache_layers)
         return expect_rows(out, tokens.shape[0], "the MTP block")
 
     def _pick(self, hidden: torch.Tensor, samplings: list[DraftSampling]):

@@ -92,12 +92,14 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
                 transfer_s = time.perf_counter() - t0
                 with tracing.span("draft.propose", requests=len(items)):
                     results = self.group.call("propose", items, rows)
+                done = time.perf_counter()
         except ServiceError as e:
             grpc_server.abort(context, e.code, str(e))
         return draft_pb2.ProposeResponse(results=[
             draft_pb2.ProposeResult(draft_token_ids=d, draft_probs=b"" if q is None else
                                     q.float().numpy().astype("<f4").tobytes()) for d, q in results],
-            transfer_seconds=transfer_s)
+            transfer_seconds=transfer_s, timing=rows_pb2.CallTiming(
+                transfer_seconds=transfer_s, compute_seconds=done - t0 - transfer_s, handler_seconds=done - t0))
 
     def running(self) -> int:
         return len(self.engine.committed)

@@ -10,9 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import flashinfer_sampling
 from kernels.dispatch import greedy_verify, rejection_sample, sampling_probs
 from models.kv_cache import CacheFullError, PagedKVCache
 from services.bridge.rows import ServiceError, expect_rows
+from services.target.synthetic import synthetic_accept
 
 
 @dataclass
@@ -59,8 +61,11 @@ class _Request:
 
 
 class TargetEngine:
+    synthetic_acceptance: float | None = None   # BENCHMARK ONLY: services/target/synthetic.py
+
     def __init__(self, model, cache: PagedKVCache, max_model_len: int):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
+        self.forward = model                 # or a models.cuda_graphs.GraphedForward of it
         self.vocab_size = model.cfg.vocab_size
         self.requests: dict[str, _Request] = {}
 
@@ -135,6 +140,9 @@ class TargetEngine:
             if r.num_tokens + len(drafts) > self.max_model_len:
                 raise ServiceError("OUT_OF_RANGE", f"request {rid!r}: {r.num_tokens} tokens + {len(drafts)} "
                                                    f"drafts exceed max_model_len {self.max_model_len}")
+            if self.synthetic_acceptance is not None and not r.sampling.greedy:
+                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: temperature {r.sampling.temperature}, but "
+                                   "--synthetic-acceptance (a benchmark mode) serves greedy requests only")
             if q is not None and (q.shape != (len(drafts), self.vocab_size) or not bool(torch.isfinite(q).all())
                                   or bool((q < 0).any())):
                 raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: draft_probs must be {len(drafts)} x "
@@ -165,12 +173,18 @@ class TargetEngine:
                     q[b, : len(d)] = qb.to(dev)
                 else:                                                               # greedy draft: one-hot
                     q[b, torch.arange(len(d), device=dev), drafts[b, : len(d)]] = 1.0
-            # draws per request depend only on its own k, so a seeded stream ignores its batch-mates
-            u = torch.stack([torch.cat([torch.rand(len(d), generator=r.generator), torch.ones(K - len(d))])
-                             for (_, d, _), r in zip(items, reqs)]).to(dev)
-            e = torch.stack([torch.empty(V).exponential_(generator=r.generator) for r in reqs]).to(dev)
-            accepted, emitted = rejection_sample(p, q, drafts, k_dev, u, e)
+            if flashinfer_sampling.applies(p, k, seeded=any(r.sampling.seed is not None for r in reqs)):
+                accepted, emitted = flashinfer_sampling.chain_verify(p, q, drafts)   # TANDEM_VERIFIER=flashinfer
+            else:
+                # draws per request depend only on its own k, so a seeded stream ignores its batch-mates
+                u = torch.stack([torch.cat([torch.rand(len(d), generator=r.generator), torch.ones(K - len(d))])
+                                 for (_, d, _), r in zip(items, reqs)]).to(dev)
+                e = torch.stack([torch.empty(V).exponential_(generator=r.generator) for r in reqs]).to(dev)
+                accepted, emitted = rejection_sample(p, q, drafts, k_dev, u, e)
         accepted, emitted = accepted.cpu(), emitted.cpu()
+        if self.synthetic_acceptance is not None:          # BENCHMARK ONLY: after the real forward and check
+            accepted, emitted = synthetic_accept(logits.argmax(-1)[idx], drafts, k, self.synthetic_acceptance,
+                                                 [r.generator for r in reqs])
         accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides
         out_tokens, keep_rows = [], []
         for b, ((rid, d, _), r) in enumerate(zip(items, reqs)):
@@ -227,7 +241,7 @@ class TargetEngine:
         except CacheFullError as e:
             raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
         tokens = torch.tensor([t for s in seqs.values() for t in s], device=self.cache.device)
-        return expect_rows(self.model(tokens, batch, self.cache), tokens.shape[0], "the target model")
+        return expect_rows(self.forward(tokens, batch, self.cache), tokens.shape[0], "the target model")
 
     @staticmethod
     def _probs(logits: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 
 import numpy as np
 import torch
@@ -33,11 +34,21 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
         self.cfg, self.group, self.engine, self.channel = cfg, group, group.engine, channel
         self.lock = threading.Lock()          # one step at a time: the engine owns the cache
         self._transfer_ids = itertools.count(1)
+        if cfg.synthetic_acceptance >= 0:       # rank 0 decides acceptance, so only its engine needs it
+            self.engine.synthetic_acceptance = cfg.synthetic_acceptance
+            log.warning("BENCHMARK ONLY: --synthetic-acceptance %.3f: drafts are accepted at random with that "
+                        "probability, not checked; the output is NOT the model's (greedy requests only)",
+                        cfg.synthetic_acceptance)
 
     def _rows(self, want: bool, transport: int, request_ids, rows_per_request, rows) -> rows_pb2.HiddenRows | None:
         if not want:
             return None
         use_bridge = transport != rows_pb2.TRANSPORT_INLINE and self.channel is not None and self.channel.ready
+        if use_bridge and not self.channel.fits(rows):  # over the CUDA IPC slot (--bridge-ipc-mib): inline
+            log.warning("hidden rows of %d bytes (%d rows) exceed the bridge's CUDA IPC slot of %d MiB "
+                        "(--bridge-ipc-mib); sending them inline", rows.numel() * rows.element_size(),
+                        rows.shape[0], self.cfg.bridge_ipc_mib)
+            use_bridge = False
         if not use_bridge:
             return describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_INLINE)
         tid = next(self._transfer_ids)
@@ -104,6 +115,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             if not items:
                 raise ServiceError("INVALID_ARGUMENT", "items is empty")
             want = [it.logprobs if it.HasField("logprobs") else None for it in request.items]
+            t0 = time.perf_counter()
             with tracing.span("target.verify", requests=len(items),
                               draft_tokens=sum(len(i[1]) for i in items)) as span:
                 if any(n is not None for n in want):
@@ -112,12 +124,14 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
                     (accepted, emitted, rows), lps = self.group.call("verify", items), [[] for _ in items]
                 if span is not None:
                     span.set_attribute("accepted_tokens", sum(accepted))
+            compute_s = time.perf_counter() - t0
             results = [target_pb2.VerifyResult(num_accepted=a, emitted_token_ids=t,
                                                logprobs=[logprob_pb(x) for x in lp])
                        for a, t, lp in zip(accepted, emitted, lps)]
             desc = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
                               [a + 1 for a in accepted], rows)
-            return target_pb2.VerifyResponse(results=results, hidden_rows=desc)
+            return target_pb2.VerifyResponse(results=results, hidden_rows=desc, timing=rows_pb2.CallTiming(
+                compute_seconds=compute_s, handler_seconds=time.perf_counter() - t0))
         return self._guard(context, run)
 
     def RecomputeRows(self, request, context):

@@ -1,0 +1,190 @@
+"""Paged MLA attention in Triton, in the absorbed form, reading the latent cache through block tables.
+
+For query row n of request b = token_request[n] at position pos = positions[n], and each head:
+    score_j = (q_lat . c_kv[j] + q_pe . k_pe[j]) * scale          for j < kv_len = min(pos + 1, context_lens[b])
+    out     = sum_j softmax(score)_j c_kv[j]                        (fp32 softmax, online over key blocks)
+Key j of request b lives at page block_tables[b, j // block_size], row j % block_size. A row whose
+kv_len is 0 (graph padding: point it at a request of context length 0) writes zeros.
+
+One program per (query row, block of BLOCK_H heads, split of the keys): the heads share every key (MLA
+has one latent KV head), so a key tile [BLOCK_N, R] is loaded once and feeds both dot products. With
+S > 1 splits (few rows, long contexts: decode) each split's unnormalized (acc, max, sum) goes to an fp32
+workspace and `_combine_kernel` merges them. The grid (N, cdiv(h, BLOCK_H), S) and S come from shapes
+alone and nothing is read back to the host: launchable inside a CUDA graph.
+Runs compiled on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    # PRECISION "upcast": the interpreter, whose bf16 / fp16 tl.dot is wrong (Triton 3.6): exact fp32 inputs
+    if PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _key_tile(start, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, lo, hi, s_cb, s_cs, s_kb, s_ks, s_bt,
+              block_size, scale_log2, r, p, rm, pm, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    # one online-softmax step over keys [start, start + BLOCK_N) ∩ [lo, hi) of request b
+    j = start + tl.arange(0, BLOCK_N)
+    jm = (j >= lo) & (j < hi)
+    page = tl.load(bt_ptr + b * s_bt + j // block_size, mask=jm, other=0).to(tl.int64)
+    row = j % block_size
+    c = tl.load(ckv_ptr + (page * s_cb + row * s_cs)[:, None] + r[None, :], mask=jm[:, None] & rm[None, :],
+                other=0.0).to(q.dtype)                                            # [BN, BR]
+    k = tl.load(kpe_ptr + (page * s_kb + row * s_ks)[:, None] + p[None, :], mask=jm[:, None] & pm[None, :],
+                other=0.0).to(q.dtype)                                            # [BN, BP]
+    s = _dot(q, tl.trans(c), PRECISION) + _dot(qp, tl.trans(k), PRECISION)        # [BH, BN] fp32
+    s = tl.where(jm[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                         # no live key yet
+    alpha = tl.exp2(m_i - m_safe)
+    e = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(e, 1)
+    acc = acc * alpha[:, None] + _dot(e.to(c.dtype), c, PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mla_kernel(ql_ptr, qp_ptr, ckv_ptr, kpe_ptr, bt_ptr, req_ptr, pos_ptr, clen_ptr, out_ptr, ws_ptr, ml_ptr,
+                s_qln, s_qlh, s_qpn, s_qph, s_cb, s_cs, s_kb, s_ks, s_bt, s_on, s_oh,
+                H, R, P, block_size, scale_log2,
+                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                SPLITS: tl.constexpr, KV_TILES: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+                PRECISION: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    hm = heads < H
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    rm, pm = r < R, p < P
+    b = tl.load(req_ptr + n).to(tl.int64)
+    kv_len = tl.minimum(tl.load(pos_ptr + n).to(tl.int32) + 1, tl.load(clen_ptr + b))
+    per = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), SPLITS)                               # key tiles per split
+    t0 = split * per
+    t1 = tl.minimum(t0 + per, tl.cdiv(kv_len, BLOCK_N))
+    lo, hi = t0 * BLOCK_N, tl.minimum(t1 * BLOCK_N, kv_len)                       # this split's keys
+    q = tl.load(ql_ptr + n * s_qln + heads[:, None] * s_qlh + r[None, :], mask=hm[:, None] & rm[None, :],
+                other=0.0)                                                        # [BH, BR]
+    qp = tl.load(qp_ptr + n * s_qpn + heads[:, None] * s_qph + p[None, :], mask=hm[:, None] & pm[None, :],
+                 other=0.0)                                                       # [BH, BP]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    # compiled: loop over this split's own key tiles; interpreted: over KV_TILES, a host constant (the
+    # interpreter loops only to constexpr bounds), the keys outside [lo, hi) masked out
+    if DYNAMIC_LOOP:
+        for t in range(t0, t1):
+            m_i, l_i, acc = _key_tile(t * BLOCK_N, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, lo, hi,
+                                      s_cb, s_cs, s_kb, s_ks, s_bt, block_size, scale_log2, r, p, rm, pm,
+                                      BLOCK_N, PRECISION)
+    else:
+        for t in range(KV_TILES):
+            m_i, l_i, acc = _key_tile(t * BLOCK_N, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, lo, hi,
+                                      s_cb, s_cs, s_kb, s_ks, s_bt, block_size, scale_log2, r, p, rm, pm,
+                                      BLOCK_N, PRECISION)
+    omask = hm[:, None] & rm[None, :]
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                          # kv_len 0: zeros
+        tl.store(out_ptr + n * s_on + heads[:, None] * s_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=omask)
+    else:                                                 # ws [N, S, H, BLOCK_R], ml [N, S, H, 2] fp32
+        row = (n * SPLITS + split) * H + heads
+        tl.store(ws_ptr + row[:, None] * BLOCK_R + r[None, :], acc, mask=omask)
+        tl.store(ml_ptr + row * 2, m_i, mask=hm)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=hm)
+
+
+@triton.jit
+def _combine_kernel(ws_ptr, ml_ptr, out_ptr, s_on, s_oh, H, R,
+                    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr):
+    # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s (splits with no key: m_s = -inf)
+    n = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = heads < H
+    r = tl.arange(0, BLOCK_R)
+    omask = hm[:, None] & (r < R)[None, :]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(SPLITS):
+        m = tl.maximum(m, tl.load(ml_ptr + ((n * SPLITS + s) * H + heads) * 2, mask=hm, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    for s in range(SPLITS):
+        row = (n * SPLITS + s) * H + heads
+        w = tl.exp2(tl.load(ml_ptr + row * 2, mask=hm, other=float("-inf")) - m)
+        l += w * tl.load(ml_ptr + row * 2 + 1, mask=hm, other=0.0)
+        acc += w[:, None] * tl.load(ws_ptr + row[:, None] * BLOCK_R + r[None, :], mask=omask, other=0.0)
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + n * s_on + heads[:, None] * s_oh + r[None, :], out.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+def _precision(x: torch.Tensor) -> str:
+    # fp32 stays fp32 (ieee, not tf32); half types use the tensor cores; the interpreter upcasts
+    return "ieee" if x.dtype == torch.float32 else "tf32" if x.is_cuda else "upcast"
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def num_splits(rows: int, heads: int, block_h: int, max_context: int, block_n: int, sms: int = 132) -> int:
+    """Key splits per (row, head block): enough programs for ~2 waves over the GPU's SMs, at least two
+    key tiles per split. From shapes only (fixed for a captured graph)."""
+    programs = rows * triton.cdiv(heads, block_h)
+    want = triton.cdiv(2 * sms, programs)
+    return max(1, min(64, want, triton.cdiv(max_context, 2 * block_n)))
+
+
+def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
+                         block_tables: torch.Tensor, token_request: torch.Tensor, positions: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float, max_context: int | None = None,
+                         out: torch.Tensor | None = None, splits: int | None = None,
+                         block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """q_lat [N, h, R], q_pe [N, h, P], ckv [blocks, block_size, R], kpe [blocks, block_size, P],
+    block_tables [B, max_blocks] int32, token_request [N], positions [N], context_lens [B] -> [N, h, R].
+
+    max_context bounds the keys a row may see (default: the table's capacity); it sizes the key splits
+    and is the interpreter's loop bound. `out` may be a static buffer (CUDA graphs)."""
+    N, H, R = q_lat.shape
+    P = q_pe.shape[-1]
+    assert ckv.stride(-1) == 1 and kpe.stride(-1) == 1 and q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1
+    if out is None:
+        out = torch.empty(N, H, R, dtype=q_lat.dtype, device=q_lat.device)
+    if N == 0 or H == 0:
+        return out
+    block_size = ckv.shape[1]
+    if max_context is None:
+        max_context = block_tables.shape[1] * block_size
+    block_r = triton.next_power_of_2(R)
+    block_n = block_n or max(16, min(64, 65536 // (block_r * q_lat.element_size())))   # key tile <= 64 KB
+    block_h = 16 if H <= 16 or block_r * q_lat.element_size() > 1024 else 32
+    if splits is None:
+        splits = num_splits(N, H, block_h, max_context, block_n, _sms(q_lat.device))
+    ws = torch.empty(N * splits * H * block_r if splits > 1 else 1, dtype=torch.float32, device=q_lat.device)
+    ml = torch.empty(N * splits * H * 2 if splits > 1 else 1, dtype=torch.float32, device=q_lat.device)
+    grid = (N, triton.cdiv(H, block_h), splits)
+    _mla_kernel[grid](q_lat, q_pe, ckv, kpe, block_tables, token_request, positions, context_lens, out, ws, ml,
+                      q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), ckv.stride(0),
+                      ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0), out.stride(0),
+                      out.stride(1), H, R, P, block_size, scale * LOG2E,
+                      BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(P)),
+                      SPLITS=splits, KV_TILES=0 if q_lat.is_cuda else triton.cdiv(max_context, block_n),
+                      DYNAMIC_LOOP=q_lat.is_cuda, PRECISION=_precision(q_lat),
+                      num_warps=num_warps or (8 if block_r >= 256 else 4), num_stages=2)
+    if splits > 1:
+        _combine_kernel[grid[:2]](ws, ml, out, out.stride(0), out.stride(1), H, R,
+                                  BLOCK_H=block_h, BLOCK_R=block_r, SPLITS=splits, num_warps=4)
+    return out

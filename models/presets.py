@@ -1,0 +1,143 @@
+"""Random-weight models of realistic shapes, built directly on the device (no checkpoint on disk).
+
+`--random-config NAME` (target, draft, `tandem serve`, the benchmarks) stands for the model id
+`random:NAME:seed=S`: a preset config below, every weight drawn on the device in the wanted dtype
+from a generator seeded by (seed, the parameter's name). So target and draft, in two processes,
+get the same embedding and LM head values (the draft seeds them under the target's names, as a
+checkpoint shares them), every TP rank draws the full tensor and keeps its slice, and nothing of
+the 31 GB of a bf16 `v2-lite` is ever materialized on the host.
+
+Init: norms 1, router bias N(0, 0.01), every other weight N(0, 0.02): with RMSNorm before every
+block this keeps activations finite through 27 layers. Random weights route tokens to experts
+uniformly, which a trained model does not: bytes per step are the worst case (bench floor).
+
+No torch at import: services/identity.py reads the configs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from models.config import ModelConfig
+
+PREFIX = "random:"
+WEIGHT_STD = 0.02
+BIAS_STD = 0.01
+
+# DeepSeek-V2-Lite's dimensions in DeepSeek-V3 form (sigmoid noaux_tc router with bias, one MTP layer):
+# 15.7 B parameters (PERF-NOTES.md). MLA without q-LoRA.
+V2_LITE = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+    vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+    num_experts_per_tok=6, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.0,
+    norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=1,
+    rms_norm_eps=1e-6, max_position_embeddings=4096, rope_theta=10000.0, rope_interleave=True,
+    tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16",
+)
+# V2-Lite's own YaRN (factor 40 over 4096 positions) on the same shapes.
+V2_LITE_YARN = {**V2_LITE, "max_position_embeddings": 163840, "rope_scaling": {
+    "type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+    "mscale": 0.707, "mscale_all_dim": 0.707}}
+# CPU tests: the shapes of models/tiny.py (dense first layer, 8 experts, q-LoRA, one MTP layer).
+TINY = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+    norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=1,
+    rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0, rope_interleave=True,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+)
+PRESETS: dict[str, dict] = {"v2-lite": V2_LITE, "v2-lite-yarn": V2_LITE_YARN, "tiny": TINY}
+
+
+class PresetError(ValueError):
+    """An unknown preset name or a malformed random model id."""
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise PresetError(f"--random-config: unknown preset {name!r}, expected one of {sorted(PRESETS)}")
+    return ModelConfig.from_dict(PRESETS[name])
+
+
+def random_model_id(name: str, seed: int) -> str:
+    """The model string a random model travels as (ServiceConfig.model, GetInfo's `model`)."""
+    preset_config(name)
+    return f"{PREFIX}{name}:seed={seed}"
+
+
+def parse_random_id(model: str) -> tuple[str, int] | None:
+    """'random:NAME:seed=S' -> (NAME, S); any other string (a checkpoint directory) -> None."""
+    if not model.startswith(PREFIX):
+        return None
+    name, _, seed = model[len(PREFIX):].partition(":seed=")
+    if not seed.lstrip("-").isdigit():
+        raise PresetError(f"random model id {model!r}: expected {PREFIX}NAME:seed=INT")
+    preset_config(name)
+    return name, int(seed)
+
+
+def random_identity(model: str) -> str:
+    """Model identity of a random model: sha256 of the preset's config, its name and the seed."""
+    name, seed = parse_random_id(model)
+    h = hashlib.sha256(json.dumps(PRESETS[name], sort_keys=True, separators=(",", ":")).encode())
+    h.update(f"\n{PREFIX}{name}\nseed {seed}\ninit normal({WEIGHT_STD}) bias({BIAS_STD})".encode())
+    return "sha256:" + h.hexdigest()[:16]
+
+
+def _param_seed(seed: int, key: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{key}".encode()).digest()[:8], "little") >> 1
+
+
+def init_random_on_device_(model, seed: int):
+    """Fill every parameter in place, on its own device and dtype, seeded by (seed, name)."""
+    import torch
+    from models.loader import _shard_index
+    from models.model import DraftModel
+    shared = {"embed_tokens.weight": "model.embed_tokens.weight"} if isinstance(model, DraftModel) else {}
+    gens: dict = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            g = gens.setdefault(p.device, torch.Generator(device=p.device))
+            g.manual_seed(_param_seed(seed, shared.get(name, name)))
+            std = BIAS_STD if name.endswith("e_score_correction_bias") else WEIGHT_STD
+            full, shard = tuple(getattr(p, "full_shape", p.shape)), getattr(p, "shard", None)
+            if shard is None and tuple(p.shape) == full:
+                p.normal_(0.0, std, generator=g)
+            else:                            # a TP slice: draw the full tensor, keep this rank's part
+                t = torch.empty(full, dtype=p.dtype, device=p.device).normal_(0.0, std, generator=g)
+                p.copy_(t[_shard_index(shard, full)])
+    return model
+
+
+def build_random(cls, model: str, ps=None, dtype=None, device="cpu"):
+    """cls (TargetModel | DraftModel) of the random model id, built and initialized on `device`."""
+    import torch
+    from models.loader import build
+    from models.parallel import SINGLE
+    name, seed = parse_random_id(model)
+    m = build(cls, preset_config(name), ps or SINGLE, dtype or torch.float32, device)
+    return init_random_on_device_(m, seed)
+
+
+def load_any(cls, model: str, ps=None, dtype=None, device="cpu"):
+    """A checkpoint directory (models/loader.py) or a random model id (this file)."""
+    import torch
+    from models.loader import load_model
+    from models.parallel import SINGLE
+    if parse_random_id(model) is not None:
+        return build_random(cls, model, ps, dtype, device)
+    return load_model(cls, model, ps=ps or SINGLE, dtype=dtype or torch.float32, device=device)
+
+
+def model_config(model: str) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory or a random model id."""
+    parsed = parse_random_id(model)
+    return preset_config(parsed[0]) if parsed else ModelConfig.from_file(model)

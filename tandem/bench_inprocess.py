@@ -1,0 +1,190 @@
+"""`tandem bench inprocess`: the served engines driven by a plain Python loop in ONE process.
+
+The same TargetEngine and DraftEngine (services/), the same kernels and model objects as the served
+cluster, placed as `tandem serve` places them (target on cuda:0, draft on cuda:1 when there are two
+GPUs), but no gRPC, no gateway and no bridge: hidden rows pass as tensors. Continuous batching as
+the gateway does it: up to `batch` requests run, a finished one is replaced by the next prompt
+before the following round. Served tokens/s divided by these tokens/s is the cost of the split.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
+from services.target.engine import Sampling, TargetEngine
+
+
+def service_devices(device: str) -> tuple[str, str]:
+    """(target, draft) devices as `tandem serve --device` picks them."""
+    if device != "cuda":
+        return device, device
+    return "cuda:0", ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+
+
+def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_blocks: int = 2048,
+                 synthetic_acceptance: float | None = None) -> tuple[TargetEngine, DraftEngine]:
+    from models.kv_cache import PagedKVCache
+    from models.model import DraftModel, TargetModel
+    from models.presets import load_any
+    from services.config import DTYPES
+    dt = DTYPES[dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+    t_dev, d_dev = service_devices(device)
+    engines = []
+    for cls, dev, engine_cls in ((TargetModel, t_dev, TargetEngine), (DraftModel, d_dev, DraftEngine)):
+        m = load_any(cls, model, dtype=dt, device=dev)
+        cache = PagedKVCache(m.num_cache_layers, num_blocks, 16, m.cfg.kv_lora_rank, m.cfg.qk_rope_head_dim, dt, dev)
+        engines.append(engine_cls(m, cache, min(4096, m.cfg.max_position_embeddings)))
+    engines[0].synthetic_acceptance = synthetic_acceptance
+    return engines[0], engines[1]
+
+
+def _on(engine):
+    """Run on the engine's GPU: the current CUDA device is per thread, and kernels launch on it."""
+    dev = engine.cache.device
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
+@dataclass
+class LoopResult:
+    outputs: dict[int, list[int]]            # prompt index -> its max_tokens output tokens
+    wall_s: float
+    rounds: int
+    drafts: int = 0                          # (request, round) pairs that proposed >= 1 draft
+    accepted: int = 0
+    split: dict[str, float] = field(default_factory=dict)   # seconds: prefill, propose, verify, loop
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs.values())
+
+
+def run_loop(te: TargetEngine, de: DraftEngine | None, prompts: list[list[int]], k: int, batch: int,
+             max_tokens: int, seed0: int = 1000) -> LoopResult:
+    """Greedy decoding of every prompt, `batch` at a time, K drafts per round (0: target only)."""
+    waiting = deque(enumerate(prompts))
+    out: dict[int, list[int]] = {}
+    pending: dict[int, list[int]] = {}         # tokens committed, not yet given to the draft
+    position: dict[int, int] = {}
+    rows: dict[int, torch.Tensor] = {}         # their target hidden rows [n, D], on the target's device
+    split = dict(prefill=0.0, propose=0.0, verify=0.0)
+    rounds = drafts = accepted = 0
+    rid = str
+    t_start = time.perf_counter()
+
+    def finish(i):
+        out[i] = out[i][:max_tokens]
+        te.release([rid(i)])
+        if de is not None and k > 0:
+            de.release([rid(i)])
+        pending.pop(i, None), rows.pop(i, None)
+
+    running: list[int] = []
+    while waiting or running:
+        new = [waiting.popleft() for _ in range(min(batch - len(running), len(waiting)))]
+        if new:
+            t0 = time.perf_counter()
+            with _on(te):
+                first, hidden = te.prefill([(rid(i), p, Sampling(seed=seed0 + i)) for i, p in new])
+            split["prefill"] += time.perf_counter() - t0
+            for (i, p), tok, h in zip(new, first, hidden.split([len(p) for _, p in new])):
+                out[i], pending[i], position[i], rows[i] = [tok], list(p) + [tok], 0, h
+                running.append(i)
+            for i in [i for i in running if len(out[i]) >= max_tokens]:
+                running.remove(i)
+                finish(i)
+        if not running:
+            continue
+        props: dict[int, list[int]] = {}
+        if k > 0 and de is not None:
+            t0 = time.perf_counter()
+            items = [ProposeItem(rid(i), pending[i], k, DraftSampling(), position[i]) for i in running]
+            de.expected_rows(items)
+            with _on(de):
+                proposals = de.propose(items, {rid(i): rows[i] for i in running})
+            for i, (d, _) in zip(running, proposals):
+                props[i] = d
+                position[i] += len(pending[i])
+            split["propose"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with _on(te):
+            acc, emitted, hidden = te.verify([(rid(i), props.get(i, []), None) for i in running])
+        split["verify"] += time.perf_counter() - t0
+        rounds += 1
+        for i, a, toks, h in zip(list(running), acc, emitted, hidden.split([a + 1 for a in acc])):
+            drafts, accepted = drafts + bool(props.get(i)), accepted + a
+            out[i] += toks
+            pending[i], rows[i] = toks, h
+            if len(out[i]) >= max_tokens:
+                running.remove(i)
+                finish(i)
+    wall = time.perf_counter() - t_start
+    split["loop"] = wall - sum(split.values())
+    return LoopResult(out, wall, rounds, drafts, accepted, split)
+
+
+def measure(te, de, prompts, k, batch, max_tokens) -> dict:
+    """One warm-up pass over `batch` prompts, then the timed pass over all -> a result row."""
+    run_loop(te, de, prompts[:batch], k, batch, max_tokens)
+    r = run_loop(te, de, prompts, k, batch, max_tokens)
+    per_round = {name: 1000 * s / max(r.rounds, 1) for name, s in r.split.items()}
+    return {"k": k, "batch": batch, "tokens": r.tokens, "wall_s": r.wall_s, "tokens_per_s": r.tokens / r.wall_s,
+            "rounds": r.rounds, "mean_acceptance_length": 1 + r.accepted / r.drafts if r.drafts else 1.0,
+            "ms_per_round": per_round, "outputs": r.outputs}
+
+
+def main(argv=None) -> int:
+    from tandem.cli import default_model
+    p = argparse.ArgumentParser(prog="tandem bench inprocess", description=__doc__)
+    p.add_argument("--model", default=None)
+    p.add_argument("--random-config", default="", help="a models/presets.py preset with random weights")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (target cuda:0, draft cuda:1 if present)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--synthetic-acceptance", type=float, default=-1.0,
+                   help="BENCHMARK ONLY: accept each draft with probability P (greedy; changes the output)")
+    p.add_argument("--ks", default="0,3")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--requests-per-batch", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--out", default="results/inprocess")
+    a = p.parse_args(argv)
+    model = random_id(a) or str(a.model or default_model())
+    rows = run_grid(model, a)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "inprocess.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows],
+                                                   indent=1))
+    for r in rows:
+        print(f"batch {r['batch']:3d} K={r['k']}: {r['tokens_per_s']:9.1f} tok/s  MAL {r['mean_acceptance_length']:.2f}")
+    return 0
+
+
+def random_id(a) -> str | None:
+    from models.presets import random_model_id
+    return random_model_id(a.random_config, a.seed) if a.random_config else None
+
+
+def run_grid(model: str, a) -> list[dict]:
+    """Every (batch, K) of a's grid in this process (ks, batches, requests_per_batch, max_tokens, ...)."""
+    from tandem.bench import bench_prompts
+    synth = a.synthetic_acceptance if a.synthetic_acceptance >= 0 else None
+    te, de = make_engines(model, a.device, a.dtype, synthetic_acceptance=synth)
+    ks = [int(x) for x in str(a.ks).split(",")]
+    rows = []
+    for b in (int(x) for x in str(a.batches).split(",")):
+        prompts = bench_prompts(model, b * a.requests_per_batch, a.prompt_tokens, seed=b)
+        for k in ks:
+            rows.append(measure(te, de, prompts, k, b, a.max_tokens))
+    del te, de
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,207 @@
+"""`tandem bench speed`: decode tokens/s of the served cluster per (K, batch) with ratios against
+K = 0 in the same run, and where each round's time goes: propose (the Propose RPC wall, of which
+the draft's bridge transfer and its compute), verify (the Verify RPC wall, of which the target's
+compute) and gateway (the round less both RPCs), read from the gateway's
+`tandem:spec_decode_round_phase_seconds` before and after each measured run. With --in-process the
+same grid runs afterwards in one process (tandem/bench_inprocess.py): served / in-process tokens/s
+is the cost of splitting the model into services.
+
+    tandem bench speed --device cuda --random-config v2-lite --synthetic-acceptance 0.85 --ks 0,3 --batches 1,32
+
+Greedy requests sent as token ids (seeded 1000 + i), ignore_eos. Unknown flags go to `tandem serve`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from tandem.bench import bench_prompts, start_cluster, stop_cluster
+from tandem.v1 import generate_pb2, generate_pb2_grpc
+
+METRIC = "tandem:spec_decode_round_phase_seconds"
+PHASES = ("round", "propose", "draft_transfer", "draft_compute", "verify", "target_compute", "gateway")
+
+
+def scrape(http_addr: str) -> dict[str, list[float]]:
+    """The gateway's round split so far: phase -> [sum of seconds, rounds]."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://{http_addr}/metrics", timeout=10).read().decode()
+    out: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in (METRIC + "_sum", METRIC + "_count"):
+                out.setdefault(s.labels["phase"], [0.0, 0.0])[s.name.endswith("_count")] += s.value
+    return out
+
+
+def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, batch: int, max_tokens: int) -> dict:
+    """`batch` concurrent greedy requests at a time until every prompt is done (after one warm-up batch)."""
+    def one(i_ids):
+        i, ids = i_ids
+        t0 = time.perf_counter()
+        r = stub.Generate(generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=ids), max_tokens=max_tokens, ignore_eos=True, seed=1000 + i,
+            num_speculative_tokens=k), timeout=900)
+        return r, time.perf_counter() - t0
+    with ThreadPoolExecutor(batch) as pool:
+        list(pool.map(one, enumerate(prompts[:batch])))                    # warm-up
+        before = scrape(http_addr) if http_addr else {}
+        t0 = time.perf_counter()
+        results = list(pool.map(one, enumerate(prompts)))
+        wall = time.perf_counter() - t0
+        after = scrape(http_addr) if http_addr else {}
+    tokens = sum(r.usage.completion_tokens for r, _ in results)
+    drafts = sum(r.spec_stats.num_drafts for r, _ in results)
+    accepted = sum(r.spec_stats.num_accepted_tokens for r, _ in results)
+    rounds = after.get("round", [0, 0])[1] - before.get("round", [0, 0])[1]
+    split = {ph: 1000 * (after.get(ph, [0, 0])[0] - before.get(ph, [0, 0])[0]) / rounds
+             for ph in PHASES} if rounds else {}
+    return {"k": k, "batch": batch, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0, "rounds": int(rounds),
+            "p50_request_s": sorted(t for _, t in results)[len(results) // 2], "ms_per_round": split}
+
+
+def table(rows: list[dict]) -> str:
+    inproc = any("inprocess_tokens_per_s" in r for r in rows)
+    head = ["batch", "K", "served tok/s", "speedup vs K=0", "mean acc. length", "round ms", "propose ms",
+            "transfer ms", "draft compute ms", "verify ms", "target compute ms", "RPC overhead ms", "gateway ms"]
+    head += ["in-process tok/s", "in-process speedup", "served / in-process"] if inproc else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        s = r["ms_per_round"]
+        ms = (lambda ph: f"{s[ph]:.2f}") if s else (lambda ph: "")
+        rpc = (f"{s['propose'] - s['draft_transfer'] - s['draft_compute'] + s['verify'] - s['target_compute']:.2f}"
+               if s else "")
+        cells = [r["batch"], r["k"], f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
+                 f"{r['mean_acceptance_length']:.2f}", ms("round"), ms("propose"), ms("draft_transfer"),
+                 ms("draft_compute"), ms("verify"), ms("target_compute"), rpc, ms("gateway")]
+        if inproc:
+            cells += [f"{r['inprocess_tokens_per_s']:.1f}", f"{r['inprocess_speedup']:.2f}",
+                      f"{r['served_over_inprocess']:.2f}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for k in sorted({r["k"] for r in rows}):
+        rs = [r for r in rows if r["k"] == k]
+        ax.plot([r["batch"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=f"served K={k}")
+        if all("inprocess_tokens_per_s" in r for r in rs):
+            ax.plot([r["batch"] for r in rs], [r["inprocess_tokens_per_s"] for r in rs], marker="x",
+                    linestyle="--", label=f"in-process K={k}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (concurrent requests)")
+    ax.set_ylabel("decode tokens / s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    parts = [("draft_transfer", "transfer"), ("draft_compute", "draft compute"), ("rpc", "RPC overhead"),
+             ("target_compute", "target compute"), ("gateway", "gateway")]
+    split = [r for r in rows if r["ms_per_round"]]
+    bottom = [0.0] * len(split)
+    for key, label in parts:
+        vals = []
+        for r in split:
+            s = r["ms_per_round"]
+            vals.append(s["propose"] - s["draft_transfer"] - s["draft_compute"] + s["verify"] - s["target_compute"]
+                        if key == "rpc" else s[key])
+        bx.bar(range(len(split)), vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    bx.set_xticks(range(len(split)), [f"B{r['batch']} K{r['k']}" for r in split], rotation=45)
+    bx.set_ylabel("ms per round (served)")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="tandem bench speed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--random-config", default="", help="a random-weight preset (models/presets.py) instead")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --random-config weights")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (target cuda:0, draft cuda:1 if present)")
+    p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--synthetic-acceptance", type=float, default=-1.0, help="BENCHMARK ONLY, changes the "
+                   "output: the target accepts each draft with probability P after its real forward (greedy; "
+                   "< 0: off). Makes speedup measurable on random weights")
+    p.add_argument("--gateway", default=None, help="use a running gateway (HOST:PORT) instead of starting one")
+    p.add_argument("--metrics", default=None, help="with --gateway: its HTTP HOST:PORT (/metrics) for the split")
+    p.add_argument("--ks", default="0,1,2,3,4")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--requests-per-batch", type=int, default=2, help="requests = this x batch size")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--in-process", action="store_true", help="also run the grid in one process, no gRPC")
+    p.add_argument("--out", default="results/speed")
+    return p.parse_known_args(argv)
+
+
+def main(argv=None) -> int:
+    from tandem.bench_inprocess import random_id, run_grid
+    from tandem.cli import default_model
+    a, extra = parse(argv)
+    rid = random_id(a)
+    model = rid or str(a.model or default_model())
+    ks = [int(x) for x in a.ks.split(",")]
+    serve_args = ["--device", a.device] + (["--dtype", a.dtype] if a.dtype else [])
+    if a.random_config:
+        serve_args += ["--random-config", a.random_config, "--seed", str(a.seed)]
+    if a.synthetic_acceptance >= 0:
+        print(f"WARNING: BENCHMARK ONLY --synthetic-acceptance {a.synthetic_acceptance}: drafts are accepted at "
+              "random after the real forward pass; outputs are not the model's", file=sys.stderr, flush=True)
+        serve_args += ["--synthetic-acceptance", str(a.synthetic_acceptance)]
+    proc, http = None, a.metrics
+    if a.gateway is None:
+        proc, a.gateway, http = start_cluster(None if rid else model, max(ks), serve_args + extra)
+    rows = []
+    try:
+        stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(a.gateway))
+        for b in (int(x) for x in a.batches.split(",")):
+            prompts = bench_prompts(model, b * a.requests_per_batch, a.prompt_tokens, seed=b)
+            for k in ks:
+                r = run_served(stub, http, prompts, k, b, a.max_tokens)
+                rows.append(r)
+                print(f"served batch {b:3d} K={k}: {r['tokens_per_s']:9.1f} tok/s  MAL "
+                      f"{r['mean_acceptance_length']:.2f}  ms/round {r['ms_per_round'].get('round', 0):.2f}", flush=True)
+    finally:
+        stop_cluster(proc)
+    for b in {r["batch"] for r in rows}:
+        base = next(r["tokens_per_s"] for r in rows if r["batch"] == b)
+        for r in (r for r in rows if r["batch"] == b):
+            r["speedup"] = r["tokens_per_s"] / base
+    if a.in_process:
+        inproc = {(r["batch"], r["k"]): r for r in run_grid(model, a)}
+        for r in rows:
+            ip = inproc[(r["batch"], r["k"])]
+            base = inproc[(r["batch"], ks[0])]["tokens_per_s"]
+            r.update(inprocess_tokens_per_s=ip["tokens_per_s"], inprocess_speedup=ip["tokens_per_s"] / base,
+                     served_over_inprocess=r["tokens_per_s"] / ip["tokens_per_s"],
+                     inprocess_ms_per_round=ip["ms_per_round"],
+                     inprocess_mean_acceptance_length=ip["mean_acceptance_length"])
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    synth = (f"; WARNING: BENCHMARK ONLY synthetic acceptance {a.synthetic_acceptance} (drafts accepted at random "
+             "after the real forward; outputs are not the model's)" if a.synthetic_acceptance >= 0 else "")
+    md = (f"Speed of {model} on {a.device} ({time.strftime('%Y-%m-%d')}), greedy, {a.prompt_tokens}-token prompts, "
+          f"{a.max_tokens} new tokens, {a.requests_per_batch} x batch requests after one warm-up batch{synth}\n"
+          f"`tandem bench speed {' '.join(argv or [])}`\n\n" + table(rows) + "\n\n"
+          "ms per round: propose / verify are the RPC walls seen by the gateway; transfer and draft compute are "
+          "inside propose, target compute inside verify; RPC overhead = propose + verify less those; gateway = "
+          "round less both RPCs.\n")
+    (out / "speed.md").write_text(md)
+    (out / "speed.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, out / "speed.png")
+    print(md)
+    print(f"wrote {out / 'speed.md'}, {out / 'speed.json'}, {out / 'speed.png'}")
+    return 0

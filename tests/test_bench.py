@@ -1,0 +1,132 @@
+"""Benchmarks of issue 7 on CPU: random-weight presets, synthetic acceptance, `tandem bench speed` through a
+real served cluster (with the per-round split and the in-process baseline), `bench floor` and `bench bridge`."""
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+
+from models.model import DraftModel, TargetModel
+from models.presets import build_random, parse_random_id, random_identity, random_model_id
+from services.identity import model_identity
+from services.target.engine import Sampling
+from services.target.synthetic import expected_acceptance_length, synthetic_accept
+from tandem.bench_inprocess import make_engines, run_loop
+
+TINY = random_model_id("tiny", 0)
+
+
+def test_random_preset_shares_embedding_and_head_and_identity():
+    target, draft = build_random(TargetModel, TINY), build_random(DraftModel, TINY)
+    assert torch.equal(target.model.embed_tokens.weight, draft.embed_tokens.weight)
+    assert torch.equal(target.lm_head.weight, draft.lm_head.weight)
+    assert torch.equal(build_random(TargetModel, TINY).model.layers[1].mlp.gate.weight,
+                       target.model.layers[1].mlp.gate.weight)            # seeded: the same in every process
+    assert parse_random_id(TINY) == ("tiny", 0)
+    assert model_identity(TINY) == random_identity(TINY) != model_identity(random_model_id("tiny", 1))
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        random_model_id("nope", 0)
+
+
+@pytest.mark.parametrize("p,k", [(0.85, 3), (0.5, 4), (0.0, 2), (1.0, 3)])
+def test_synthetic_acceptance_is_geometric(p, k):
+    n = 4000
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    target = torch.randint(100, 200, (n, k + 1))
+    drafts = torch.randint(0, 100, (n, k))                  # never the target's tokens
+    accepted, emitted = synthetic_accept(target, drafts, torch.full((n,), k), p, gens)
+    mal = 1 + accepted.float().mean().item()
+    assert abs(mal - expected_acceptance_length(p, k)) < 0.06, (mal, expected_acceptance_length(p, k))
+    for b in range(50):                                     # accepted drafts, then the target's own token
+        a = int(accepted[b])
+        assert emitted[b, :a].tolist() == drafts[b, :a].tolist() and int(emitted[b, a]) == int(target[b, a])
+        assert (emitted[b, a + 1:] == -1).all()
+
+
+def test_synthetic_acceptance_in_the_engine_rolls_back_like_a_rejection():
+    te, de = make_engines(TINY, synthetic_acceptance=0.8)
+    prompts = [[(7 * i + j) % 500 for j in range(12)] for i in range(4)]
+    r = run_loop(te, de, prompts, k=3, batch=4, max_tokens=60)
+    assert 2.5 < 1 + r.accepted / r.drafts < 3.4, 1 + r.accepted / r.drafts     # expected 2.95
+    assert all(len(o) == 60 for o in r.outputs.values())
+    assert not te.requests and te.cache.num_free_blocks == te.cache.num_blocks   # all released
+    te.prefill([("x", prompts[0], Sampling(seed=1))])
+    for _ in range(5):                                      # cache holds every committed token but the pending one
+        te.verify([("x", [1, 2, 3], None)])
+        assert te.cache.length("x") == te.requests["x"].num_tokens - 1
+
+
+def test_inprocess_greedy_speculation_equals_target_only():
+    te, de = make_engines(TINY)
+    prompts = [[(11 * i + 3 * j) % 500 for j in range(10 + i)] for i in range(3)]
+    plain = run_loop(te, de, prompts, k=0, batch=2, max_tokens=12)
+    spec = run_loop(te, de, prompts, k=2, batch=2, max_tokens=12)
+    assert spec.drafts > 0 and plain.drafts == 0
+    assert spec.outputs == plain.outputs
+
+
+def test_bench_speed_served_split_and_inprocess(tmp_path):
+    """The whole CLI: starts `tandem serve --random-config tiny --synthetic-acceptance`, measures, stops."""
+    cmd = [sys.executable, "-m", "tandem", "bench", "speed", "--random-config", "tiny", "--ks", "0,2",
+           "--batches", "1,2", "--max-tokens", "8", "--requests-per-batch", "1", "--prompt-tokens", "16",
+           "--synthetic-acceptance", "0.9", "--in-process", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "BENCHMARK ONLY" in proc.stderr and "WARNING" in proc.stderr
+    md = (tmp_path / "speed.md").read_text()
+    for col in ("propose ms", "transfer ms", "verify ms", "gateway ms", "served / in-process", "BENCHMARK ONLY"):
+        assert col in md, col
+    rows = json.loads((tmp_path / "speed.json").read_text())
+    assert [(r["batch"], r["k"]) for r in rows] == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    for r in rows:
+        assert r["tokens"] == 8 * r["batch"] and r["rounds"] > 0
+        s = r["ms_per_round"]
+        assert s["round"] > 0 and s["verify"] > s["target_compute"] > 0
+        assert (s["propose"] > s["draft_compute"] > 0) == (r["k"] > 0)
+        assert r["inprocess_tokens_per_s"] > 0
+    assert all(r["mean_acceptance_length"] > 1.5 for r in rows if r["k"] == 2)      # synthetic, p = 0.9
+    assert (tmp_path / "speed.png").stat().st_size > 0
+
+
+def test_gateway_without_tokenizer_takes_token_ids_only():
+    from tandem.bench import start_cluster, stop_cluster
+    from tandem.v1 import generate_pb2, generate_pb2_grpc
+    proc, addr, http = start_cluster(None, 2, ["--random-config", "tiny", "--seed", "3"])
+    try:
+        stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(addr))
+        r = stub.Generate(generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5, 6, 7]), max_tokens=4,
+                                                       ignore_eos=True), timeout=60)
+        assert len(r.token_ids) == 4 and r.text == ""
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(generate_pb2.GenerateRequest(text="hello", max_tokens=4), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no tokenizer" in e.value.details()
+        import httpx
+        resp = httpx.post(f"http://{http}/v1/completions", json={"model": "random-tiny", "prompt": "hi"}, timeout=30)
+        assert resp.status_code == 400 and "no tokenizer" in resp.json()["error"]["message"], resp.text
+        resp = httpx.post(f"http://{http}/v1/completions", json={"model": "random-tiny", "prompt": [1, 2, 3],
+                                                                 "max_tokens": 3, "temperature": 0}, timeout=30)
+        assert resp.status_code == 200, resp.text
+    finally:
+        stop_cluster(proc)
+
+
+def test_bench_floor_on_cpu(tmp_path):
+    from tandem.bench_floor import main
+    assert main(["--random-config", "tiny", "--batches", "1,4", "--ks", "0,3", "--prompt-tokens", "16",
+                 "--warmup", "1", "--iters", "3", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "floor.json").read_text())
+    assert data["copy_bandwidth_bytes_per_s"] > 0
+    assert [(r["batch"], r["k"]) for r in data["rows"]] == [(1, 0), (1, 3), (4, 0), (4, 3)]
+    one, four = data["rows"][0], data["rows"][3]
+    assert 1 <= one["experts_per_layer"] <= 2 < four["experts_per_layer"] <= 8      # top-2 of 8, counted by hooks
+    assert all(r["ratio"] > 0 and r["mb_read"] > 0 for r in data["rows"])
+    assert "time / floor" in (tmp_path / "floor.md").read_text()
+
+
+def test_bench_bridge_over_gloo(tmp_path):
+    from tandem.bench_bridge import main
+    assert main(["--device", "cpu", "--batches", "1,8", "--warmup", "2", "--iters", "5", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bridge.json").read_text())
+    assert [r["rows"] for r in rows] == [4, 32] and all(r["bridge_us"] > 0 and r["bare_us"] > 0 for r in rows)

@@ -1,0 +1,154 @@
+"""Which transport the hidden-row bridge uses (services/bridge/channel.py `choose_transport`), on CPU.
+
+Both sides publish an endpoint record (requested transport, device, GPU UUID, process) and compute the
+choice from the same two records: gloo on CPU, NCCL across two GPUs, CUDA IPC on one GPU shared by two
+processes. Contradicting explicit choices, or a choice the devices cannot carry, fail naming both
+sides. `tandem serve` places the draft (--draft-device) and passes the choice on. The IPC transport
+itself needs CUDA: tests/test_gpu_bridge.py.
+"""
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from services.bridge.channel import RowChannel, TransportError, choose_transport, endpoint
+from services.bridge.rows import CONTRACT_VERSION
+from services.config import ServiceConfig
+from tandem import serve
+
+GPU_A, GPU_B = "GPU-aaaa", "GPU-bbbb"
+
+
+def ep(requested="auto", device="cpu", uuid="", process="host:1"):
+    return {"requested": requested, "device": device, "uuid": uuid, "process": process}
+
+
+@pytest.mark.parametrize("sender, receiver, want", [
+    (ep(), ep(process="host:2"), "gloo"),                                                      # both CPU
+    (ep(device="cuda:0", uuid=GPU_A), ep(device="cuda:1", uuid=GPU_B, process="host:2"), "nccl"),
+    (ep(device="cuda:0", uuid=GPU_A), ep(device="cuda:0", uuid=GPU_A, process="host:2"), "ipc"),
+    # the same physical GPU under different process-visible indices is still one GPU
+    (ep(device="cuda:1", uuid=GPU_A), ep(device="cuda:0", uuid=GPU_A, process="host:2"), "ipc"),
+    # the same index naming different GPUs (different CUDA_VISIBLE_DEVICES) is two GPUs
+    (ep(device="cuda:0", uuid=GPU_A), ep(device="cuda:0", uuid=GPU_B, process="host:2"), "nccl"),
+    (ep(device="cuda:0", uuid=GPU_A), ep(device="cpu", process="host:2"), "gloo"),            # mixed: staged
+    (ep(device="cuda:0", uuid=GPU_A), ep(device="cuda:0", uuid=GPU_A), "gloo"),             # one process
+    # an explicit choice on one side wins over auto on the other
+    (ep("gloo", device="cuda:0", uuid=GPU_A), ep(device="cuda:1", uuid=GPU_B, process="host:2"), "gloo"),
+    (ep(device="cuda:0", uuid=GPU_A), ep("ipc", device="cuda:0", uuid=GPU_A, process="host:2"), "ipc"),
+    (ep("nccl", device="cuda:0", uuid=GPU_A), ep("nccl", device="cuda:1", uuid=GPU_B, process="host:2"), "nccl"),
+])
+def test_choice(sender, receiver, want):
+    assert choose_transport(sender, receiver) == want
+    assert choose_transport(dict(sender), dict(receiver)) == want        # a pure function of the two records
+
+
+@pytest.mark.parametrize("sender, receiver, match", [
+    (ep("gloo"), ep("nccl", process="host:2"),
+     r"different hidden-row transports: target --hidden-transport gloo on cpu .*, draft --hidden-transport nccl"),
+    (ep("nccl", device="cuda:0", uuid=GPU_A), ep(device="cuda:0", uuid=GPU_A, process="host:2"),
+     r"nccl hidden transport needs target and draft on two different GPUs.*GPU-aaaa.*GPU-aaaa"),
+    (ep("nccl"), ep(process="host:2"), r"nccl hidden transport needs"),
+    (ep(device="cuda:0", uuid=GPU_A), ep("ipc", device="cuda:1", uuid=GPU_B, process="host:2"),
+     r"ipc hidden transport needs target and draft on the same GPU.*target --hidden-transport auto on cuda:0 "
+     r"\(GPU GPU-aaaa\), draft --hidden-transport ipc on cuda:1 \(GPU GPU-bbbb\)"),
+    (ep("ipc", device="cuda:0", uuid=GPU_A), ep("ipc", device="cuda:0", uuid=GPU_A), r"in two processes"),
+    (ep("carrier-pigeon"), ep(process="host:2"), r"target asks for hidden transport 'carrier-pigeon'"),
+])
+def test_refusals_name_both_sides(sender, receiver, match):
+    with pytest.raises(TransportError, match=match):
+        choose_transport(sender, receiver)
+
+
+def test_endpoint_of_a_cpu_side():
+    e = endpoint("auto", "cpu")
+    assert e["requested"] == "auto" and e["device"] == "cpu" and e["uuid"] == "" and ":" in e["process"]
+
+
+# --- the channel agrees on CPU ------------------------------------------------------------------------
+def pair(sender_backend: str, receiver_backend: str):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    hello = {"model_identity": "sha256:aaaa", "contract_version": CONTRACT_VERSION}
+    sender = RowChannel(addr, "sender", sender_backend, hello=hello, timeout_s=30)
+    receiver = RowChannel(addr, "receiver", receiver_backend, hello=dict(hello), timeout_s=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not ((sender.ready and receiver.ready) or (sender.error and receiver.error)):
+        time.sleep(0.05)          # polling the channels' background connect
+    return sender, receiver
+
+
+def test_auto_on_cpu_is_gloo_and_carries_empty_and_bf16_frames():
+    sender, receiver = pair("auto", "auto")
+    assert sender.ready and receiver.ready, (sender.error, receiver.error)
+    assert sender.transport == receiver.transport == "gloo"
+    frames = {1: torch.randn(5, 8).to(torch.bfloat16), 2: torch.zeros(0, 8), 3: torch.randn(300, 8)}
+    for tid, rows in frames.items():
+        assert sender.fits(rows)                 # only the CUDA IPC slot is bounded
+        sender.send(tid, rows)
+    for tid, rows in frames.items():
+        got = receiver.take(tid, timeout_s=10)
+        assert got.dtype == rows.dtype and got.shape == rows.shape and torch.equal(got, rows)
+
+
+def test_contradicting_choices_fail_both_sides_naming_both():
+    sender, receiver = pair("gloo", "nccl")
+    assert not sender.ready and not receiver.ready
+    for ch in (sender, receiver):
+        assert "different hidden-row transports" in ch.error and "target --hidden-transport gloo" in ch.error \
+            and "draft --hidden-transport nccl" in ch.error, ch.error
+    with pytest.raises(TimeoutError, match="different hidden-row transports"):
+        receiver.take(1, timeout_s=1)
+
+
+def test_channel_refuses_an_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        RowChannel("127.0.0.1:1", "sender", "inline")
+
+
+def test_service_config_accepts_ipc_only_on_cuda():
+    cfg = ServiceConfig(role="draft", model="m", hidden_transport="auto").validate()
+    assert cfg.bridge_backend == "auto"                  # settled with the peer, not from this side alone
+    assert ServiceConfig(role="draft", model="m", hidden_transport="inline").bridge_backend is None
+    with pytest.raises(SystemExit, match="--hidden-transport ipc needs --device cuda"):
+        ServiceConfig(role="draft", model="m", hidden_transport="ipc").validate()
+
+
+# --- tandem serve: where the draft goes, what it is told ----------------------------------------------
+def flags(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+@pytest.mark.parametrize("argv, gpus, want", [
+    (["--device", "cuda"], 2, ("cuda:0", "cuda:1")),              # unchanged default on two GPUs
+    (["--device", "cuda"], 1, ("cuda:0", "cuda:0")),              # one GPU: shared (IPC under auto)
+    (["--device", "cuda", "--draft-device", "cuda:0"], 2, ("cuda:0", "cuda:0")),
+    (["--device", "cuda", "--draft-device", "cuda"], 2, ("cuda:0", "cuda:0")),
+    (["--device", "cuda:1"], 2, ("cuda:1", "cuda:1")),
+    (["--device", "cpu"], 0, ("cpu", "cpu")),
+])
+def test_serve_places_the_draft(monkeypatch, argv, gpus, want):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    a = serve.parse(argv)
+    assert serve.placement(a) == want
+    cmds = {name: cmd for name, cmd, _ in serve.commands(a)}
+    assert (flags(cmds["target"], "--device"), flags(cmds["draft"], "--device")) == want
+    # auto stays auto on every side: target and draft settle it from both devices (no inline on one GPU)
+    assert {flags(c, "--hidden-transport") for c in cmds.values()} == {"auto"}
+
+
+def test_serve_passes_ipc_to_the_services_and_checks_the_placement(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cmds = {n: c for n, c, _ in serve.commands(serve.parse(["--device", "cuda", "--draft-device", "cuda:0",
+                                                            "--hidden-transport", "ipc"]))}
+    assert flags(cmds["target"], "--hidden-transport") == flags(cmds["draft"], "--hidden-transport") == "ipc"
+    assert flags(cmds["gateway"], "--hidden-transport") == "auto"      # the gateway only asks for the bridge
+    with pytest.raises(SystemExit, match="ipc needs target and draft on the same GPU, got target cuda:0, draft cuda:1"):
+        serve.commands(serve.parse(["--device", "cuda", "--hidden-transport", "ipc"]))
+    with pytest.raises(SystemExit, match="nccl needs target and draft on two different GPUs, got target cuda:0, "
+                                         "draft cuda:0"):
+        serve.commands(serve.parse(["--device", "cuda", "--draft-device", "cuda:0", "--hidden-transport", "nccl"]))

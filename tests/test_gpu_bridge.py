@@ -1,0 +1,250 @@
+"""GPU: the hidden-row bridge's CUDA IPC transport (target and draft on ONE GPU, two processes).
+
+(a) Two real processes on cuda:0 pair a RowChannel each (both ask for auto: they must settle on
+    ipc) and move frames of several row counts in bf16, fp16 and fp32; every frame arrives bitwise
+    equal; a pull of a transfer never sent is a LookupError and the channel stays in step; rows over
+    the slot do not fit (the target sends those inline).
+(b) `tandem serve --device cuda --draft-device cuda:0 -k 3`: greedy K=3 equals K=0, and a Propose
+    whose descriptor disagrees with the draft's bookkeeping over the BRIDGE (IPC) transport is
+    INVALID_ARGUMENT naming both counts.
+
+Skipped on machines without CUDA. Run as a script, this file is the worker of (a):
+`python tests/test_gpu_bridge.py sender|receiver HOST:PORT`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # as a script
+from cluster import REPO, free_ports, make_checkpoint  # noqa: E402
+
+HIDDEN = 96
+CASES = [(1, torch.bfloat16), (7, torch.float32), (64, torch.bfloat16), (0, torch.float32),
+         (300, torch.float32), (300, torch.bfloat16), (5, torch.float16), (129, torch.float32)]
+SLOT = 1 << 20                   # bytes: every case fits; OVERSIZE does not
+OVERSIZE = (1024, 512)           # fp32 rows: 2 MiB
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+HELLO = {"model_identity": "sha256:gpu-bridge", "contract_version": "test"}
+
+
+def expected_rows(i: int) -> torch.Tensor:
+    n, dtype = CASES[i]
+    g = torch.Generator().manual_seed(1000 + i)
+    return (torch.randn(n, HIDDEN, generator=g) * 3).to(dtype)
+
+
+# --- (a) the worker processes --------------------------------------------------------------------------
+def _connect(role: str, addr: str):
+    from services.bridge.channel import RowChannel
+    ch = RowChannel(addr, role, "auto", "cuda:0", timeout_s=60, hello=HELLO, ipc_bytes=SLOT)
+    deadline = time.monotonic() + 60
+    while not ch.ready and not ch.error and time.monotonic() < deadline:
+        time.sleep(0.05)              # polling the channel's background connect
+    return ch
+
+
+def _report(**kw) -> None:
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def sender(addr: str) -> None:
+    ch = _connect("sender", addr)
+    if not ch.ready:
+        return _report(error=ch.error or "not ready in 60s")
+    big = torch.zeros(*OVERSIZE, device="cuda:0")
+    fits_big = ch.fits(big)
+    try:
+        ch.send(999_999, big)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    for i in range(len(CASES)):
+        src = expected_rows(i).to("cuda:0")
+        rows = torch.zeros_like(src)
+        torch.cuda._sleep(20_000_000)  # rows complete only after a while on this stream: send must wait for it
+        rows.add_(src)
+        ch.send(i + 1, rows)
+        del rows, src                  # the channel holds what it parked
+    _report(transport=ch.transport, fits_big=fits_big, refused=refused)
+    sys.stdin.read()                   # hold the slot until the receiver is done
+
+
+def receiver(addr: str) -> None:
+    ch = _connect("receiver", addr)
+    if not ch.ready:
+        return _report(error=ch.error or "not ready in 60s")
+    sys.stdin.readline()               # the sender parked every transfer
+    bad = []
+    try:
+        ch.take(424242, timeout_s=30)
+        bad.append("transfer 424242 was never sent, yet take returned rows")
+    except LookupError:
+        pass
+    for i in range(len(CASES)):
+        got, want = ch.take(i + 1, timeout_s=30), expected_rows(i)
+        if got.device != torch.device("cuda:0") or got.dtype != want.dtype or got.shape != want.shape:
+            bad.append(f"transfer {i + 1}: got {got.dtype} {tuple(got.shape)} on {got.device}, "
+                       f"expected {want.dtype} {tuple(want.shape)} on cuda:0")
+        elif not torch.equal(got.cpu().view(BITS[want.dtype]), want.view(BITS[want.dtype])):
+            bad.append(f"transfer {i + 1} ({CASES[i][0]} rows of {want.dtype}): bits differ")
+    _report(transport=ch.transport, bad=bad, taken=len(CASES))
+
+
+# --- (a) the test ---------------------------------------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; this machine has none")
+
+
+class Worker:
+    """A worker process with its output read on a thread (RESULT lines parsed, the rest kept for errors)."""
+
+    def __init__(self, role: str, addr: str):
+        self.lines: list[str] = []
+        self.results: queue.Queue = queue.Queue()
+        self.p = subprocess.Popen([sys.executable, __file__, role, addr], cwd=REPO, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            self.lines.append(line)
+            if line.startswith("RESULT "):
+                self.results.put(json.loads(line[7:]))
+
+    def result(self, timeout_s: float) -> dict:
+        try:
+            return self.results.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"no result in {timeout_s:.0f}s (exit {self.p.poll()}):\n"
+                                 + "".join(self.lines)[-4000:]) from None
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(timeout=30)
+
+
+@needs_cuda
+def test_ipc_bridge_between_two_processes_on_one_gpu():
+    addr = f"127.0.0.1:{free_ports(1)[0]}"
+    snd, rcv = Worker("sender", addr), Worker("receiver", addr)
+    try:
+        s = snd.result(120)
+        assert "error" not in s, s
+        assert s["transport"] == "ipc", s
+        assert s["fits_big"] is False and "exceed the CUDA IPC slot of 1048576 bytes" in s["refused"], s
+        rcv.p.stdin.write("go\n")
+        rcv.p.stdin.flush()
+        r = rcv.result(120)
+        assert "error" not in r, (r, "".join(rcv.lines)[-4000:])
+        assert r["transport"] == "ipc" and r["taken"] == len(CASES) and not r["bad"], r
+        assert rcv.p.wait(timeout=60) == 0, "".join(rcv.lines)[-4000:]
+        snd.p.stdin.close()                           # the receiver is gone: the sender may free the slot
+        assert snd.p.wait(timeout=60) == 0, "".join(snd.lines)[-4000:]
+    finally:
+        rcv.stop()
+        snd.stop()
+
+
+# --- (b) tandem serve with target and draft on one GPU --------------------------------------------------
+@pytest.fixture(scope="module")
+def shared_gpu_cluster(tmp_path_factory):
+    import grpc
+
+    from tandem.grpc_server import channel_options
+    from tandem.v1 import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc
+    model = make_checkpoint(tmp_path_factory.mktemp("ipc-ckpt"), seed=5)
+    gw, tp, dp, bp, dist, http = free_ports(6)
+    log = tmp_path_factory.mktemp("ipc-logs") / "serve.log"
+    cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(model), "-k", "3", "--device", "cuda",
+           "--draft-device", "cuda:0", "--dtype", "float32", "--grpc-port", str(gw), "--target-port", str(tp),
+           "--draft-port", str(dp), "--bridge-port", str(bp), "--dist-port", str(dist), "--http-port", str(http),
+           "--num-blocks", "1024"]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while b"tandem: serving" not in log.read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.5)
+    chans = [grpc.insecure_channel(f"127.0.0.1:{p}", options=channel_options()) for p in (gw, tp, dp)]
+    yield (generate_pb2_grpc.GenerateServiceStub(chans[0]), target_pb2_grpc.TargetServiceStub(chans[1]),
+           draft_pb2_grpc.DraftServiceStub(chans[2]), log)
+    for ch in chans:
+        ch.close()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+
+
+def bridge_prefill(target, rid: str, prompt: list[int]):
+    """Prefill asking for BRIDGE rows, until the bridge (connecting in the background) carries them."""
+    from tandem.v1 import rows_pb2, target_pb2
+    deadline = time.monotonic() + 120
+    while True:
+        resp = target.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
+            request_id=rid, prompt_token_ids=prompt)], return_hidden_rows=True,
+            transport=rows_pb2.TRANSPORT_BRIDGE), timeout=60)
+        if resp.hidden_rows.transport == rows_pb2.TRANSPORT_BRIDGE or time.monotonic() > deadline:
+            return resp
+        target.Release(target_pb2.ReleaseRequest(request_ids=[rid]), timeout=10)
+        time.sleep(0.2)               # polling a background connect; nothing to await on the wire
+
+
+@needs_cuda
+def test_shared_gpu_bridge_is_ipc_and_contract_fires(shared_gpu_cluster):
+    import grpc
+
+    from tandem.v1 import draft_pb2, rows_pb2, target_pb2
+    _, target, draft, log = shared_gpu_cluster
+    prompt = [5, 9, 17, 33, 65, 129]
+    resp = bridge_prefill(target, "ipc-contract", prompt)
+    rows = resp.hidden_rows
+    assert rows.transport == rows_pb2.TRANSPORT_BRIDGE and rows.num_rows == len(prompt), rows
+    text = log.read_text()
+    assert "bridge sender connected (ipc, cuda:0)" in text and "bridge receiver connected (ipc, cuda:0)" in text, \
+        text[-4000:]
+    item = draft_pb2.ProposeItem(request_id="ipc-contract", new_token_ids=prompt + [resp.first_token_ids[0]],
+                                 num_draft_tokens=2, position=0)
+    bad = draft_pb2.ProposeRequest(items=[item], hidden_rows=[rows])
+    bad.hidden_rows[0].rows_per_request[0] = len(prompt) - 1
+    bad.hidden_rows[0].num_rows = len(prompt) - 1
+    with pytest.raises(grpc.RpcError) as e:
+        draft.Propose(bad, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(len(prompt)) in e.value.details() and str(len(prompt) - 1) in e.value.details(), e.value.details()
+    good = draft.Propose(draft_pb2.ProposeRequest(items=[item], hidden_rows=[rows]), timeout=30)
+    assert len(good.results[0].draft_token_ids) == 2          # the same transfer, taken through the IPC slot
+    target.Release(target_pb2.ReleaseRequest(request_ids=["ipc-contract"]), timeout=10)
+    draft.Release(target_pb2.ReleaseRequest(request_ids=["ipc-contract"]), timeout=10)
+
+
+@needs_cuda
+def test_shared_gpu_greedy_speculation_equals_plain_decoding(shared_gpu_cluster):
+    from tandem.v1 import generate_pb2
+    gateway = shared_gpu_cluster[0]
+    accepted = 0
+    for i in range(5):
+        prompt = [(13 * i + 7 * j) % 500 + 3 for j in range(2 + 5 * i)]
+        outs = {}
+        for k in (0, 3):
+            r = gateway.Generate(generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt),
+                                 max_tokens=24, ignore_eos=True, num_speculative_tokens=k), timeout=120)
+            outs[k] = list(r.token_ids)
+            accepted += r.spec_stats.num_accepted_tokens
+        assert outs[3] == outs[0], (i, outs)
+    assert accepted > 0                      # rounds really accepted drafts, with rows over the IPC bridge
+
+
+if __name__ == "__main__":
+    {"sender": sender, "receiver": receiver}[sys.argv[1]](sys.argv[2])
+    sys.stdout.flush()
+    os._exit(0)          # the bridge thread still waits in the store; CUDA teardown order is not under test here
