@@ -125,3 +125,10 @@ class GraphedForward:
         self.pool = graph.pool()
         log.info("captured CUDA graph: %d requests, %d tokens %s", bp, n, kw or "")
         return graph, s, out
+
+
+def enable(engine, extra_rows: int = 0, max_tokens: int = 512) -> None:
+    """Route a target (extra_rows 0) or draft (1) engine's forward through CUDA graphs."""
+    m, c = engine.model, engine.cache
+    engine.forward = GraphedForward(m, c, m.cfg.hidden_size, c.ckv.dtype, engine.max_model_len,
+                                    max_tokens=max_tokens, extra_rows=extra_rows)

@@ -189,9 +189,8 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
         max_len = min(cfg.max_model_len, mc.max_position_embeddings)
         engine = engine_cls(model, cache, max_len)
         if cfg.device.startswith("cuda") and cfg.tp == 1 and not cfg.enforce_eager:
-            from models.cuda_graphs import GraphedForward
-            engine.forward = GraphedForward(model, cache, mc.hidden_size, cfg.torch_dtype, max_len,
-                                            extra_rows=1 if role == "draft" else 0)
+            from models import cuda_graphs
+            cuda_graphs.enable(engine, extra_rows=1 if role == "draft" else 0)
         group = RankGroup(engine, ps)
         if cfg.rank > 0:
             group.serve_worker()

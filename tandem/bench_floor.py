@@ -49,7 +49,7 @@ class ExpertCounter:
     def __init__(self, model):
         from models.moe import MoE
         self.touched: dict[str, set[int]] = {}
-        self.expert_bytes = 0
+        self.expert_bytes, self.active = 0, True
         for name, m in model.named_modules():
             if isinstance(m, MoE):
                 m.gate.register_forward_hook(self._hook(name))
@@ -58,7 +58,8 @@ class ExpertCounter:
 
     def _hook(self, name):
         def hook(_module, _inputs, output):
-            self.touched.setdefault(name, set()).update(output[1].flatten().tolist())
+            if self.active:                          # off in graph capture (a host read) and replays
+                self.touched.setdefault(name, set()).update(output[1].flatten().tolist())
         return hook
 
     def bytes_read(self) -> int:
@@ -90,18 +91,29 @@ def measure(engine, batch: int, k: int, prompt_tokens: int, warmup: int, iters: 
     dense, emb_row, head = static_bytes(model)
     kv_elem = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * engine.cache.ckv.element_size()
     times, floors, experts = [], [], []
+    # warm-up steps run eagerly and count the experts the router touches; timed steps run as served
+    # (CUDA graphs on a GPU, where hooks do not fire) and are charged the warm-up's mean expert bytes
+    graphed, engine.forward = engine.forward, model
+    counted = []
     for it in range(warmup + iters):
         drafts = [torch.randint(cfg.vocab_size, (k,), generator=g).tolist() for _ in ids]
         context = sum(engine.requests[r].num_tokens + k for r in ids)            # positions attended
         distinct = len({t for d in drafts for t in d} | {engine.requests[r].pending_token for r in ids})
         counter.touched.clear()
+        if it == warmup:
+            engine.forward, counter.active = graphed, False
+            engine.verify([(r, d, None) for r, d in zip(ids, drafts)])         # capture, untimed
         t = _timed(lambda: engine.verify([(r, d, None) for r, d in zip(ids, drafts)]), device)
-        nbytes = (dense + counter.bytes_read() + distinct * emb_row + head
-                  + model.num_cache_layers * context * kv_elem)
+        if it < warmup:
+            counted.append((counter.bytes_read(), sum(len(s) for s in counter.touched.values())
+                            / max(len(counter.touched), 1)))
+        expert_bytes = statistics.mean(c[0] for c in counted)
+        nbytes = (dense + expert_bytes + distinct * emb_row + head + model.num_cache_layers * context * kv_elem)
         if it >= warmup:
             times.append(t)
             floors.append(nbytes / bw)
-            experts.append(sum(len(s) for s in counter.touched.values()) / max(len(counter.touched), 1))
+            experts.append(statistics.mean(c[1] for c in counted))
+    engine.forward, counter.active = graphed, True
     engine.release(ids)
     t, floor = statistics.median(times), statistics.median(floors)
     return {"batch": batch, "k": k, "rows": batch * (k + 1), "ms": 1000 * t, "floor_ms": 1000 * floor,
@@ -137,8 +149,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--copy-mib", type=int, default=0, help="size of the bandwidth copy (default: 2048 on a GPU, 64 on cpu)")
+    p.add_argument("--enforce-eager", action="store_true", help="time eager steps (default on a GPU: CUDA graphs)")
     p.add_argument("--out", default="results/floor")
     a = p.parse_args(argv)
+    if a.warmup < 1:
+        p.error(f"--warmup must be >= 1 (the warm-up steps count the experts), got {a.warmup}")
     device = "cuda:0" if a.device == "cuda" else a.device
     dtype = DTYPES[a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
     model_id = random_model_id(a.random_config, a.seed) if a.random_config else str(a.model or default_model())
@@ -149,6 +164,9 @@ def main(argv=None) -> int:
     cache = PagedKVCache(model.num_cache_layers, blocks, 16, model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim,
                          dtype, device)
     engine = TargetEngine(model, cache, model.cfg.max_position_embeddings)
+    if device.startswith("cuda") and not a.enforce_eager:        # time the step as the target serves it
+        from models import cuda_graphs
+        cuda_graphs.enable(engine)
     rows = [measure(engine, b, k, a.prompt_tokens, a.warmup, a.iters, bw, seed=b * 100 + k)
             for b in batches for k in ks]
     params = sum(p.numel() for p in model.parameters())

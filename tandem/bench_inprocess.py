@@ -30,7 +30,7 @@ def service_devices(device: str) -> tuple[str, str]:
 
 
 def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_blocks: int = 2048,
-                 synthetic_acceptance: float | None = None) -> tuple[TargetEngine, DraftEngine]:
+                 synthetic_acceptance: float | None = None, eager: bool = False) -> tuple[TargetEngine, DraftEngine]:
     from models.kv_cache import PagedKVCache
     from models.model import DraftModel, TargetModel
     from models.presets import load_any
@@ -42,6 +42,9 @@ def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_
         m = load_any(cls, model, dtype=dt, device=dev)
         cache = PagedKVCache(m.num_cache_layers, num_blocks, 16, m.cfg.kv_lora_rank, m.cfg.qk_rope_head_dim, dt, dev)
         engines.append(engine_cls(m, cache, min(4096, m.cfg.max_position_embeddings)))
+        if dev.startswith("cuda") and not eager:                 # as the services run it
+            from models import cuda_graphs
+            cuda_graphs.enable(engines[-1], extra_rows=int(engine_cls is DraftEngine))
     engines[0].synthetic_acceptance = synthetic_acceptance
     return engines[0], engines[1]
 
