@@ -80,15 +80,16 @@ class Scheduler:
                     self._fail(r, grpc.StatusCode.INTERNAL, "internal error in the gateway round")
 
     # --- service faults (called by the rounds and by gateway/watch.py) ----------------------------
-    def draft_lost(self, reason: str) -> None:
+    def draft_lost(self, reason: str, restarted: bool = True) -> None:
         """The draft failed or went away: every running request decodes without drafts, and is re-synced
-        before the draft proposes for it again. Rows go inline from now on: the bridge's rendezvous
-        does not survive a draft restart (the target keeps its old peer)."""
+        before the draft proposes for it again. Unless it was only slow (restarted=False: a Propose past
+        its deadline), rows go inline from now on: the bridge's rendezvous does not survive a draft
+        restart (the target keeps its old peer)."""
         self.avail.draft_failed(reason)
         for r in self.running:
             if r.speculate:
                 r.speculate, r.stale = False, True
-        if self.transport != rows_pb2.TRANSPORT_INLINE:
+        if self.transport != rows_pb2.TRANSPORT_INLINE and restarted:      # a slow draft keeps its bridge
             log.warning("hidden rows go inline from now on (the bridge does not survive a draft restart)")
             self.transport = rows_pb2.TRANSPORT_INLINE
 
@@ -185,7 +186,8 @@ class Scheduler:
                 for r in spec:                 # the draft's state of them is unknown: re-sync later
                     r.speculate, r.stale = False, True
                 if not (by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):   # else: they expire
-                    self.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})")
+                    self.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})",
+                                    restarted=e.code() != grpc.StatusCode.DEADLINE_EXCEEDED)
             else:
                 self.avail.draft_proposed()
                 split.update(propose=time.perf_counter() - t0, draft_transfer=presp.timing.transfer_seconds,

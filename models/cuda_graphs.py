@@ -15,6 +15,7 @@ graphs are not wired here).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -71,6 +72,18 @@ class GraphedForward:
         self.replays += 1
         return out[: batch.num_tokens]
 
+    def warmup(self, max_batch: int = 64, **kw) -> int:
+        """Capture every (batch bucket <= max_batch, token bucket >= it) now, so that no request waits on a
+        Triton compile or a capture later (a first Propose that compiles can outlast its deadline)."""
+        n = 0
+        for bp in (b for b in BATCH_BUCKETS if b <= max_batch):
+            for tokens in (t for t in self.token_buckets if t >= bp):
+                key = (bp, tokens) + tuple(sorted(kw.items()))
+                if key not in self.graphs:
+                    self.graphs[key] = self._capture(bp, tokens, kw)
+                    n += 1
+        return n
+
     # --- static buffers ------------------------------------------------------------------------
     def _static(self, bp: int, n: int) -> dict:
         dev = self.cache.device
@@ -123,12 +136,19 @@ class GraphedForward:
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.fn(s["tokens"], *args, **kw)
         self.pool = graph.pool()
-        log.info("captured CUDA graph: %d requests, %d tokens %s", bp, n, kw or "")
+        log.debug("captured CUDA graph: %d requests, %d tokens %s", bp, n, kw or "")
         return graph, s, out
 
 
-def enable(engine, extra_rows: int = 0, max_tokens: int = 512) -> None:
-    """Route a target (extra_rows 0) or draft (1) engine's forward through CUDA graphs."""
+def enable(engine, extra_rows: int = 0, max_tokens: int = 512, warmup_batch: int = 0) -> None:
+    """Route a target (extra_rows 0) or draft (1) engine's forward through CUDA graphs; with
+    warmup_batch > 0 capture the buckets up to that batch now (the draft: for each of its MTP layers)."""
     m, c = engine.model, engine.cache
-    engine.forward = GraphedForward(m, c, m.cfg.hidden_size, c.ckv.dtype, engine.max_model_len,
-                                    max_tokens=max_tokens, extra_rows=extra_rows)
+    graphed = GraphedForward(m, c, m.cfg.hidden_size, c.ckv.dtype, engine.max_model_len,
+                             max_tokens=max_tokens, extra_rows=extra_rows)
+    if warmup_batch:
+        t0 = time.perf_counter()
+        steps = [{"step": i} for i in range(m.num_cache_layers)] if extra_rows else [{}]
+        n = sum(graphed.warmup(warmup_batch, **kw) for kw in steps)
+        log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
+    engine.forward = graphed

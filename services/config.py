@@ -51,6 +51,7 @@ class ServiceConfig:
     seed: int = 0                    # --random-config: the weights' seed (target and draft must agree)
     synthetic_acceptance: float = -1.0   # BENCHMARK ONLY (target): accept each draft with this probability
     enforce_eager: bool = False      # cuda: no CUDA graphs (they are used where tp = 1, models/cuda_graphs.py)
+    cuda_graph_max_batch: int = 64   # cuda: graphs for batches up to this are captured at start (larger: lazily)
 
     @property
     def rank_device(self) -> str:

@@ -190,7 +190,7 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
         engine = engine_cls(model, cache, max_len)
         if cfg.device.startswith("cuda") and cfg.tp == 1 and not cfg.enforce_eager:
             from models import cuda_graphs
-            cuda_graphs.enable(engine, extra_rows=1 if role == "draft" else 0)
+            cuda_graphs.enable(engine, extra_rows=1 if role == "draft" else 0, warmup_batch=cfg.cuda_graph_max_batch)
         group = RankGroup(engine, ps)
         if cfg.rank > 0:
             group.serve_worker()

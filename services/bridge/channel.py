@@ -11,8 +11,8 @@ outstanding NCCL receive (or send) deadlocks against work that synchronizes the 
 cudaMalloc, a pageable copy) on that side. A request goes through the store; the target acks it
 (so the draft can time out on the CPU without posting anything) and then sends a frame:
 a header [transfer_id, rows, bytes per row, dtype] and the payload as bytes, on the channel's own
-CUDA stream (NCCL / gloo: both by p2p; IPC: the header through the store, the payload through the
-shared slot). Pulls are serialized, so at most one frame is in flight. Parked rows not pulled within
+CUDA stream (NCCL / gloo: both by p2p; IPC: the payload goes into the shared slot first and the
+ack itself carries the header, one store round trip per pull). Pulls are serialized, so at most one frame is in flight. Parked rows not pulled within
 PARK_TTL_S are dropped.
 
 Handshake: before any transport exists, each side publishes its `hello` (model identity and
@@ -233,6 +233,13 @@ class RowChannel:
             tid = int(self._store.get(key))
             with self._lock:
                 _, rows, ready = self._parked.pop(tid, (0, None, None))
+            if rows is not None and self.transport == "ipc":   # the ack carries the frame's header
+                with _on(self._stream):
+                    if ready is not None:
+                        self._stream.wait_event(ready)
+                    self._send_frame(n, tid, rows)
+                n += 1
+                continue
             self._store.set(f"{self._prefix}ack/{n}", b"1" if rows is not None else b"0")
             if rows is not None:
                 with _on(self._stream):
@@ -245,7 +252,7 @@ class RowChannel:
         code = _DTYPE_CODE[rows.dtype]
         if self.transport == "ipc":                  # payload into the slot, header through the store
             n_rows, row_bytes = self._ipc.write(rows.to(self.device), self._stream)
-            self._store.set(f"{self._prefix}frame/{n}", f"{tid},{n_rows},{row_bytes},{code}")
+            self._store.set(f"{self._prefix}ack/{n}", f"1,{tid},{n_rows},{row_bytes},{code}")
             return
         row_bytes = rows.shape[1] * rows.element_size()
         payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], row_bytes).to(self._wire)
@@ -266,11 +273,11 @@ class RowChannel:
             self._pulls += 1
             self._store.set(f"{self._prefix}pull/{n}", str(transfer_id))
             ack = self._wait(f"{self._prefix}ack/{n}", timeout_s, f"target did not answer pull {n}", transfer_id)
-            if ack != b"1":                           # a LookupError: the caller answers NOT_FOUND
+            if not ack.startswith(b"1"):              # a LookupError: the caller answers NOT_FOUND
                 raise LookupError(f"hidden rows transfer {transfer_id} is not held by the target "
                                   f"(expired, already taken, or never sent)")
             with _on(self._stream):
-                tid, n_rows, row_bytes, code, payload = self._recv_frame(n, transfer_id, timeout_s)
+                tid, n_rows, row_bytes, code, payload = self._recv_frame(ack, transfer_id)
                 if self._stream is not None:
                     self._stream.synchronize()        # rows complete (and the IPC slot free) from here
                 if payload.is_cuda:                   # made on the channel's stream, used on the caller's
@@ -289,12 +296,10 @@ class RowChannel:
             raise TimeoutError(f"hidden rows transfer {transfer_id}: {self.error}") from None
         return self._store.get(key)
 
-    def _recv_frame(self, n: int, transfer_id: int, timeout_s: float):
+    def _recv_frame(self, ack: bytes, transfer_id: int):
         """-> (transfer id, rows, bytes per row, dtype code, payload [rows, bytes per row] uint8)."""
-        if self.transport == "ipc":
-            header = self._wait(f"{self._prefix}frame/{n}", timeout_s, f"target sent no frame for pull {n}",
-                                transfer_id)
-            tid, n_rows, row_bytes, code = (int(x) for x in header.split(b","))
+        if self.transport == "ipc":                   # ack: b"1,tid,rows,bytes per row,dtype code"
+            tid, n_rows, row_bytes, code = (int(x) for x in ack.split(b",")[1:])
             if n_rows * row_bytes > self._ipc.capacity:     # never sent so: the channel is out of step
                 self.error = f"frame {tid} of {n_rows} x {row_bytes} bytes exceeds the {self._ipc.capacity}-byte slot"
                 raise TimeoutError(f"hidden rows bridge: {self.error}")
