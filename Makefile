@@ -32,4 +32,4 @@ compose-check:
 	docker-compose -f docker-compose.yml -f docker-compose.gpu.yml config -q
 
 clean:
-	rm -rf $(VENV) tandem/v1/*_pb2*.py tandem/v1/*_pb2*.pyi tandem/v1/.generated results
+	rm -rf $(VENV) tandem/v1/*_pb2*.py tandem/v1/*_pb2*.pyi tandem/v1/.generated
