@@ -43,13 +43,10 @@ class GatewayMetrics(Observer):
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "End-to-end request latency", lab,
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.phases = Histogram("tandem:round_phase_seconds", "Duration of a round phase "
-                                "(prefill | propose | transfer | verify), per batch", lab + ["phase"],
-                                buckets=PHASE_BUCKETS, registry=r)
-        self.round_split_hist = Histogram(
-            "tandem:spec_decode_round_phase_seconds", "Per round: round (wall), propose and verify (RPC walls), "
-            "gateway (round less both RPCs), draft_transfer and draft_compute (in propose), target_compute "
-            "(in verify)", lab + ["phase"], buckets=PHASE_BUCKETS, registry=r)
+        self.phases = Histogram(
+            "tandem:round_phase_seconds", "Per batch: prefill (RPC wall); per round: round (wall), propose and "
+            "verify (RPC walls), gateway (round less both RPCs), transfer and draft_compute (inside propose), "
+            "target_compute (inside verify)", lab + ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens processed", lab, registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated", lab, registry=r)
         self.success = Counter("tandem:request_success", "Requests finished", lab + ["finished_reason"], registry=r)
@@ -65,7 +62,7 @@ class GatewayMetrics(Observer):
 
     def round_split(self, seconds: dict[str, float]) -> None:
         for name, s in seconds.items():
-            self.round_split_hist.labels(self.model_name, name).observe(max(0.0, s))
+            self.phases.labels(self.model_name, name).observe(max(0.0, s))
 
     def tokens(self, r: GenRequest, n: int, now: float) -> None:
         if r.first_token_time is None:

@@ -47,11 +47,11 @@ class Observer:
     """Hooks for metrics (gateway/metrics.py); the base does nothing."""
 
     def phase(self, name: str, seconds: float) -> None:
-        """A round phase took `seconds`: prefill | propose | transfer | verify."""
+        """A phase outside the rounds took `seconds`: prefill."""
 
     def round_split(self, seconds: dict[str, float]) -> None:
         """A whole round's split: round (wall), propose and verify (RPC walls), gateway (the rest), and
-        the services' own draft_transfer, draft_compute, target_compute (CallTiming)."""
+        the services' own transfer, draft_compute, target_compute (CallTiming)."""
 
     def tokens(self, r: "GenRequest", n: int, now: float) -> None:
         """`n` new tokens were committed for r (before r.first_token_time / last_token_time move)."""

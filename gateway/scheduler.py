@@ -167,7 +167,7 @@ class Scheduler:
         drafts: dict[str, draft_pb2.ProposeResult] = {}
         spec = [r for r in batch if r.speculate]
         round_t0 = time.perf_counter()
-        split = {"propose": 0.0, "draft_transfer": 0.0, "draft_compute": 0.0}   # round split (metrics)
+        split = {"propose": 0.0, "transfer": 0.0, "draft_compute": 0.0}   # round split (metrics)
         if spec:
             sets = {id(r.rows): r.rows for r in spec}
             preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
@@ -190,10 +190,8 @@ class Scheduler:
                                     restarted=e.code() != grpc.StatusCode.DEADLINE_EXCEEDED)
             else:
                 self.avail.draft_proposed()
-                split.update(propose=time.perf_counter() - t0, draft_transfer=presp.timing.transfer_seconds,
+                split.update(propose=time.perf_counter() - t0, transfer=presp.timing.transfer_seconds,
                              draft_compute=presp.timing.compute_seconds)
-                self.obs.phase("propose", time.perf_counter() - t0 - presp.transfer_seconds)
-                self.obs.phase("transfer", presp.transfer_seconds)
                 for r, res in zip(spec, presp.results):
                     drafts[r.id] = res
                     r.draft_position += len(r.draft_tokens)
@@ -209,7 +207,6 @@ class Scheduler:
         except grpc.aio.AioRpcError as e:
             self._target_failed(batch, e, "Verify")
             return
-        self.obs.phase("verify", time.perf_counter() - t0)
         split.update(verify=time.perf_counter() - t0, target_compute=vresp.timing.compute_seconds)
         for r, res in zip(batch, vresp.results):
             k = len(drafts[r.id].draft_token_ids) if r.id in drafts else 0

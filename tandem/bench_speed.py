@@ -2,7 +2,7 @@
 K = 0 in the same run, and where each round's time goes: propose (the Propose RPC wall, of which
 the draft's bridge transfer and its compute), verify (the Verify RPC wall, of which the target's
 compute) and gateway (the round less both RPCs), read from the gateway's
-`tandem:spec_decode_round_phase_seconds` before and after each measured run. With --in-process the
+`tandem:round_phase_seconds` before and after each measured run. With --in-process the
 same grid runs afterwards in one process (tandem/bench_inprocess.py): served / in-process tokens/s
 is the cost of splitting the model into services.
 
@@ -25,8 +25,8 @@ import grpc
 from tandem.bench import bench_prompts, start_cluster, stop_cluster
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
-METRIC = "tandem:spec_decode_round_phase_seconds"
-PHASES = ("round", "propose", "draft_transfer", "draft_compute", "verify", "target_compute", "gateway")
+METRIC = "tandem:round_phase_seconds"
+PHASES = ("round", "propose", "transfer", "draft_compute", "verify", "target_compute", "gateway")
 
 
 def scrape(http_addr: str) -> dict[str, list[float]]:
@@ -77,10 +77,10 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         s = r["ms_per_round"]
         ms = (lambda ph: f"{s[ph]:.2f}") if s else (lambda ph: "")
-        rpc = (f"{s['propose'] - s['draft_transfer'] - s['draft_compute'] + s['verify'] - s['target_compute']:.2f}"
+        rpc = (f"{s['propose'] - s['transfer'] - s['draft_compute'] + s['verify'] - s['target_compute']:.2f}"
                if s else "")
         cells = [r["batch"], r["k"], f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
-                 f"{r['mean_acceptance_length']:.2f}", ms("round"), ms("propose"), ms("draft_transfer"),
+                 f"{r['mean_acceptance_length']:.2f}", ms("round"), ms("propose"), ms("transfer"),
                  ms("draft_compute"), ms("verify"), ms("target_compute"), rpc, ms("gateway")]
         if inproc:
             cells += [f"{r['inprocess_tokens_per_s']:.1f}", f"{r['inprocess_speedup']:.2f}",
@@ -105,7 +105,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("decode tokens / s")
     ax.grid(alpha=0.3)
     ax.legend()
-    parts = [("draft_transfer", "transfer"), ("draft_compute", "draft compute"), ("rpc", "RPC overhead"),
+    parts = [("transfer", "transfer"), ("draft_compute", "draft compute"), ("rpc", "RPC overhead"),
              ("target_compute", "target compute"), ("gateway", "gateway")]
     split = [r for r in rows if r["ms_per_round"]]
     bottom = [0.0] * len(split)
@@ -113,7 +113,7 @@ def plot(rows: list[dict], path: Path) -> None:
         vals = []
         for r in split:
             s = r["ms_per_round"]
-            vals.append(s["propose"] - s["draft_transfer"] - s["draft_compute"] + s["verify"] - s["target_compute"]
+            vals.append(s["propose"] - s["transfer"] - s["draft_compute"] + s["verify"] - s["target_compute"]
                         if key == "rpc" else s[key])
         bx.bar(range(len(split)), vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
