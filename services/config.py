@@ -34,7 +34,7 @@ class ServiceConfig:
     max_model_len: int = 4096
     threads: int = 1                 # torch CPU threads (one per process keeps a local cluster calm)
     bridge_timeout_s: float = 10.0   # draft: how long Propose waits for a bridge frame
-    bridge_ipc_mib: int = 64         # target: CUDA IPC slot (largest transfer it carries; larger ones go inline)
+    bridge_ipc_mib: int = 256        # target: CUDA IPC ring of 8 slots (a slot: the largest transfer; larger go inline)
     tp: int = 1                      # tensor-parallel ranks (processes)
     ep: int = 1                      # expert-parallel groups among them (divides tp)
     sequence_parallel: bool = False  # SP-MoE: rows reduce-scattered around each MoE layer

@@ -2,8 +2,8 @@
 
 (a) Two real processes on cuda:0 pair a RowChannel each (both ask for auto: they must settle on
     ipc) and move frames of several row counts in bf16, fp16 and fp32; every frame arrives bitwise
-    equal; a pull of a transfer never sent is a LookupError and the channel stays in step; rows over
-    the slot do not fit (the target sends those inline).
+    equal; a take of a transfer never sent is a LookupError and the channel stays in step; rows over
+    a ring slot do not fit (the target sends those inline).
 (b) `tandem serve --device cuda --draft-device cuda:0 -k 3`: greedy K=3 equals K=0, and a Propose
     whose descriptor disagrees with the draft's bookkeeping over the BRIDGE (IPC) transport is
     INVALID_ARGUMENT naming both counts.
@@ -32,7 +32,7 @@ from cluster import REPO, free_ports, make_checkpoint  # noqa: E402
 HIDDEN = 96
 CASES = [(1, torch.bfloat16), (7, torch.float32), (64, torch.bfloat16), (0, torch.float32),
          (300, torch.float32), (300, torch.bfloat16), (5, torch.float16), (129, torch.float32)]
-SLOT = 1 << 20                   # bytes: every case fits; OVERSIZE does not
+SLOT = 1 << 20                   # bytes of one ring slot (8 slots): every case fits; OVERSIZE does not
 OVERSIZE = (1024, 512)           # fp32 rows: 2 MiB
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 HELLO = {"model_identity": "sha256:gpu-bridge", "contract_version": "test"}
@@ -47,7 +47,7 @@ def expected_rows(i: int) -> torch.Tensor:
 # --- (a) the worker processes --------------------------------------------------------------------------
 def _connect(role: str, addr: str):
     from services.bridge.channel import RowChannel
-    ch = RowChannel(addr, role, "auto", "cuda:0", timeout_s=60, hello=HELLO, ipc_bytes=SLOT)
+    ch = RowChannel(addr, role, "auto", "cuda:0", timeout_s=60, hello=HELLO, ipc_bytes=8 * SLOT)
     deadline = time.monotonic() + 60
     while not ch.ready and not ch.error and time.monotonic() < deadline:
         time.sleep(0.05)              # polling the channel's background connect
@@ -75,7 +75,7 @@ def sender(addr: str) -> None:
         torch.cuda._sleep(20_000_000)  # rows complete only after a while on this stream: send must wait for it
         rows.add_(src)
         ch.send(i + 1, rows)
-        del rows, src                  # the channel holds what it parked
+        del rows, src                  # the channel's copy into the slot still runs after this
     _report(transport=ch.transport, fits_big=fits_big, refused=refused)
     sys.stdin.read()                   # hold the slot until the receiver is done
 
@@ -142,7 +142,7 @@ def test_ipc_bridge_between_two_processes_on_one_gpu():
         s = snd.result(120)
         assert "error" not in s, s
         assert s["transport"] == "ipc", s
-        assert s["fits_big"] is False and "exceed the CUDA IPC slot of 1048576 bytes" in s["refused"], s
+        assert s["fits_big"] is False and "exceed a CUDA IPC slot of 1048576 bytes" in s["refused"], s
         rcv.p.stdin.write("go\n")
         rcv.p.stdin.flush()
         r = rcv.result(120)

@@ -5,15 +5,19 @@ request and device (`choose_transport`): gloo on CPU, NCCL between two GPUs, CUD
 both are on one GPU (NCCL refuses two ranks on one device). The channel has its own TCPStore
 rendezvous (not the target's TP group), so either side can start first.
 
-Pull, not push: the target parks each transfer's rows under its id and answers when the draft
+NCCL and gloo pull: the target parks each transfer's rows under its id and answers when the draft
 asks for that id. No point-to-point operation is ever left posted while its peer is busy: an
 outstanding NCCL receive (or send) deadlocks against work that synchronizes the device (a
 cudaMalloc, a pageable copy) on that side. A request goes through the store; the target acks it
-(so the draft can time out on the CPU without posting anything) and then sends a frame:
-a header [transfer_id, rows, bytes per row, dtype] and the payload as bytes, on the channel's own
-CUDA stream (NCCL / gloo: both by p2p; IPC: the payload goes into the shared slot first and the
-ack itself carries the header, one store round trip per pull). Pulls are serialized, so at most one frame is in flight. Parked rows not pulled within
+(so the draft can time out on the CPU without posting anything) and then sends a frame, a header
+[transfer_id, rows, bytes per row, dtype] and the payload as bytes, by p2p on the channel's own CUDA
+stream. Pulls are serialized, so at most one frame is in flight. Parked rows not pulled within
 PARK_TTL_S are dropped.
+
+CUDA IPC pushes: nothing is ever posted, so the target copies each transfer into its slot of a ring
+in shared device memory as it sends it, and the draft copies it out when it asks, without a round
+trip (ipc.py has the ordering invariants). A transfer overwritten before it was taken is reported
+gone (LookupError), never returned with another transfer's rows.
 
 Handshake: before any transport exists, each side publishes its `hello` (model identity and
 contract version) in the store and reads its peer's; a mismatch ends the channel on both sides with
@@ -109,7 +113,8 @@ class RowChannel:
     def __init__(self, address: str, role: str, backend: str = "gloo", device: str = "cpu",
                  timeout_s: float = 600.0, hello: dict | None = None, ipc_bytes: int = DEFAULT_CAPACITY):
         """backend: what this side asks for (auto | gloo | nccl | ipc); `transport` is what both agreed.
-        ipc_bytes: the sender's CUDA IPC slot (the largest transfer IPC carries; the receiver's is unused)."""
+        ipc_bytes: the sender's CUDA IPC ring over all its slots (a slot is the largest transfer IPC
+        carries; the receiver's value is unused)."""
         if role not in ("sender", "receiver"):
             raise ValueError(f"role must be sender or receiver, got {role!r}")
         if backend not in TRANSPORTS:
@@ -206,19 +211,26 @@ class RowChannel:
 
     # --- sender (target) -----------------------------------------------------------------------
     def fits(self, rows: torch.Tensor) -> bool:
-        """Whether the agreed transport can carry rows [N, D] (the IPC slot is bounded; others are not)."""
+        """Whether the agreed transport can carry rows [N, D] (an IPC slot is bounded; others are not)."""
         return not isinstance(self._ipc, IpcSender) or self._ipc.fits(rows.numel() * rows.element_size())
 
     def send(self, transfer_id: int, rows: torch.Tensor) -> None:
-        """Park rows [N, D] under transfer_id until the draft pulls them; returns at once.
+        """Make rows [N, D] of transfer_id available to the draft; returns at once. NCCL / gloo park
+        them until pulled; IPC pushes them into their ring slot now (no pull round trip later).
         ValueError when they do not fit the transport (ask `fits` first: the caller sends them inline)."""
         if not self.fits(rows):
             raise ValueError(f"hidden rows transfer {transfer_id}: {rows.numel() * rows.element_size()} bytes "
-                             f"({rows.shape[0]} rows) exceed the CUDA IPC slot of {self._ipc.capacity} bytes")
+                             f"({rows.shape[0]} rows) exceed a CUDA IPC slot of {self._ipc.slot_bytes} bytes")
         ready = None
         if self._stream is not None and rows.is_cuda:   # the rows are complete once the caller's stream is
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(rows.device))
+        if isinstance(self._ipc, IpcSender):
+            with self._lock, _on(self._stream):
+                if ready is not None:
+                    self._stream.wait_event(ready)
+                self._ipc.push(transfer_id, rows.detach().to(self.device), _DTYPE_CODE[rows.dtype], self._stream)
+            return
         with self._lock:
             now = time.monotonic()
             for tid in [t for t, (at, _, _) in self._parked.items() if now - at > PARK_TTL_S]:
@@ -233,13 +245,6 @@ class RowChannel:
             tid = int(self._store.get(key))
             with self._lock:
                 _, rows, ready = self._parked.pop(tid, (0, None, None))
-            if rows is not None and self.transport == "ipc":   # the ack carries the frame's header
-                with _on(self._stream):
-                    if ready is not None:
-                        self._stream.wait_event(ready)
-                    self._send_frame(n, tid, rows)
-                n += 1
-                continue
             self._store.set(f"{self._prefix}ack/{n}", b"1" if rows is not None else b"0")
             if rows is not None:
                 with _on(self._stream):
@@ -250,10 +255,6 @@ class RowChannel:
 
     def _send_frame(self, n: int, tid: int, rows: torch.Tensor) -> None:
         code = _DTYPE_CODE[rows.dtype]
-        if self.transport == "ipc":                  # payload into the slot, header through the store
-            n_rows, row_bytes = self._ipc.write(rows.to(self.device), self._stream)
-            self._store.set(f"{self._prefix}ack/{n}", f"1,{tid},{n_rows},{row_bytes},{code}")
-            return
         row_bytes = rows.shape[1] * rows.element_size()
         payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], row_bytes).to(self._wire)
         header = torch.tensor([tid, payload.shape[0], row_bytes, code], dtype=torch.int64, device=self._wire)
@@ -265,21 +266,32 @@ class RowChannel:
 
     # --- receiver (draft) ----------------------------------------------------------------------
     def take(self, transfer_id: int, timeout_s: float) -> torch.Tensor:
-        """Pull the rows of `transfer_id` [N, D]; TimeoutError if the target does not answer."""
+        """The rows of `transfer_id` [N, D] (IPC: from its ring slot; else pulled); LookupError when the
+        target no longer holds them, TimeoutError if it does not answer."""
         if self.error or not self._ready.wait(timeout_s) or self.error:    # a failed channel answers at once
             raise TimeoutError("hidden rows bridge not connected" + (f": {self.error}" if self.error else ""))
+        if isinstance(self._ipc, IpcReceiver):
+            with self._lock:
+                got = self._ipc.take(transfer_id, self._stream)
+            if got is None:
+                raise LookupError(f"hidden rows transfer {transfer_id} is not in its CUDA IPC slot "
+                                  f"(overwritten by a later transfer, or never sent)")
+            payload, code = got
+            payload.record_stream(torch.cuda.current_stream(payload.device))
+            dtype = _CODE_DTYPE[code]
+            return payload.view(dtype).reshape(payload.shape[0], payload.shape[1] // dtype.itemsize)
         with self._lock:                              # one pull at a time, in order
             n = self._pulls
             self._pulls += 1
             self._store.set(f"{self._prefix}pull/{n}", str(transfer_id))
             ack = self._wait(f"{self._prefix}ack/{n}", timeout_s, f"target did not answer pull {n}", transfer_id)
-            if not ack.startswith(b"1"):              # a LookupError: the caller answers NOT_FOUND
+            if ack != b"1":                           # a LookupError: the caller answers NOT_FOUND
                 raise LookupError(f"hidden rows transfer {transfer_id} is not held by the target "
                                   f"(expired, already taken, or never sent)")
             with _on(self._stream):
-                tid, n_rows, row_bytes, code, payload = self._recv_frame(ack, transfer_id)
+                tid, n_rows, row_bytes, code, payload = self._recv_frame()
                 if self._stream is not None:
-                    self._stream.synchronize()        # rows complete (and the IPC slot free) from here
+                    self._stream.synchronize()        # rows complete from here
                 if payload.is_cuda:                   # made on the channel's stream, used on the caller's
                     payload.record_stream(torch.cuda.current_stream(payload.device))
             if tid != transfer_id:                    # the channel is out of step: never use it again
@@ -296,14 +308,8 @@ class RowChannel:
             raise TimeoutError(f"hidden rows transfer {transfer_id}: {self.error}") from None
         return self._store.get(key)
 
-    def _recv_frame(self, ack: bytes, transfer_id: int):
+    def _recv_frame(self):
         """-> (transfer id, rows, bytes per row, dtype code, payload [rows, bytes per row] uint8)."""
-        if self.transport == "ipc":                   # ack: b"1,tid,rows,bytes per row,dtype code"
-            tid, n_rows, row_bytes, code = (int(x) for x in ack.split(b",")[1:])
-            if n_rows * row_bytes > self._ipc.capacity:     # never sent so: the channel is out of step
-                self.error = f"frame {tid} of {n_rows} x {row_bytes} bytes exceeds the {self._ipc.capacity}-byte slot"
-                raise TimeoutError(f"hidden rows bridge: {self.error}")
-            return tid, n_rows, row_bytes, code, self._ipc.copy_out(n_rows, row_bytes, self._stream)
         header = torch.empty(4, dtype=torch.int64, device=self._wire)
         self._pg.recv([header], self.peer, 0).wait()
         tid, n_rows, row_bytes, code = header.tolist()

@@ -1,28 +1,35 @@
 """CUDA IPC for the hidden-row bridge when target and draft share one GPU (NCCL refuses two ranks on
-one device). The channel (channel.py) keeps its pull protocol; only the frame moves differently.
+one device): the target pushes each transfer into a ring of slots as it sends it, the draft copies it
+out when it asks, with no round trip between them.
 
 Invariants:
-* One slot: a device buffer of `capacity` bytes, allocated by the sender (target) and mapped by the
-  receiver (draft) once at start-up; its handle and the events' handles cross the bridge's TCPStore
-  once, as JSON. The sender holds its tensor for the channel's life, so the receiver's mapping never
-  outlives the allocation; the receiver holds its mapping for the channel's life.
-* Two interprocess events; each is recorded only by the process that created it and waited on only by
-  the other: `written` (sender: frame n is in the slot) and `read` (receiver: frame n is copied out).
-* The slot holds at most one frame. The sender's stream waits for `read` before it overwrites the
-  slot, and the receiver's stream waits for `written` before it copies out. The CPU order that makes
-  each wait see the record it needs comes from the pull protocol: the sender records `written` before
-  it publishes frame n's header, and the receiver records `read` (and synchronizes) before it asks for
-  pull n + 1.
-* A frame never exceeds the slot: `fits` is asked before rows are parked for the bridge; rows that do
-  not fit go inline (the caller's choice), never partly through the slot.
+* One device buffer of `slots` x `slot_bytes`, allocated by the sender (target) and mapped by the
+  receiver (draft) once at start-up; handles cross the bridge's TCPStore once, as JSON (never pickle:
+  the store is a network service). Each side holds its tensor / mapping for the channel's life.
+* Transfer t lives in slot t % slots. Per slot two interprocess events, each recorded only by the
+  process that created it: `written` (sender: the slot holds its frame) and `read` (receiver: copied
+  out). The sender's stream waits on `read` before it overwrites a slot; the receiver's stream waits on
+  `written` before it copies out.
+* Per slot a host header in shared memory [transfer id, rows, bytes per row, dtype code]. The sender
+  sets the id to -1 before it queues an overwrite and publishes the new id last, after `written` is
+  recorded. The receiver reads the id before its copy and again after the copy completed: the frame
+  is used only if both equal the transfer asked for. So a transfer overwritten before or during the
+  copy is reported as gone (LookupError upstream), never returned with another transfer's rows.
+* A frame never exceeds a slot: `fits` is asked first; rows that do not fit go inline.
 """
 from __future__ import annotations
 
+import atexit
 import json
+import uuid
+from multiprocessing import resource_tracker, shared_memory
 
+import numpy as np
 import torch
 
-DEFAULT_CAPACITY = 64 << 20       # bytes: 4681 rows of a 7168-wide bf16 hidden state
+DEFAULT_CAPACITY = 256 << 20      # bytes over all slots
+DEFAULT_SLOTS = 8                 # transfers that may be outstanding at once (a round has 1-3)
+_EMPTY = -1
 
 
 def device_uuid(device: torch.device) -> str:
@@ -36,90 +43,149 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-class IpcSender:
-    """The sender's end: owns the slot and the `written` event. Build, publish `spec()`, then
-    `attach()` the receiver's answer."""
+class SlotHeaders:
+    """[slots, 4] int64 in shared memory: transfer id (-1: none), rows, bytes per row, dtype code."""
 
-    def __init__(self, device: torch.device, capacity: int = DEFAULT_CAPACITY):
-        if capacity <= 0:
-            raise ValueError(f"IPC slot capacity must be > 0 bytes, got {capacity}")
-        self.device, self.capacity = device, capacity
-        self.buf = torch.empty(capacity, dtype=torch.uint8, device=device)      # [capacity] bytes
-        self.written = torch.cuda.Event(interprocess=True)                      # no timing, non-blocking
-        self.read: torch.cuda.Event | None = None
+    def __init__(self, slots: int, name: str | None = None):
+        size = slots * 4 * 8
+        if name is None:
+            self.shm = shared_memory.SharedMemory(name=f"tandem-ipc-{uuid.uuid4().hex[:16]}", create=True, size=size)
+            self.owner = True
+        else:
+            self.shm = shared_memory.SharedMemory(name=name)
+            resource_tracker.unregister(self.shm._name, "shared_memory")   # the owner unlinks it, not us
+            self.owner = False
+        self.table = np.ndarray((slots, 4), dtype=np.int64, buffer=self.shm.buf)
+        if self.owner:
+            self.table[:, 0] = _EMPTY
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    def invalidate(self, slot: int) -> None:
+        self.table[slot, 0] = _EMPTY
+
+    def publish(self, slot: int, tid: int, n_rows: int, row_bytes: int, code: int) -> None:
+        self.table[slot, 1:] = (n_rows, row_bytes, code)
+        self.table[slot, 0] = tid                     # last: the frame is whole once its id shows
+
+    def read(self, slot: int) -> tuple[int, int, int, int]:
+        tid, n_rows, row_bytes, code = (int(x) for x in self.table[slot])
+        return tid, n_rows, row_bytes, code
+
+    def tid(self, slot: int) -> int:
+        return int(self.table[slot, 0])
+
+    def close(self) -> None:
+        if self.table is None:
+            return
+        self.table = None
+        self.shm.close()
+        if self.owner:                                # the segment outlives an attached reader, not its owner
+            self.shm.unlink()
+
+
+class IpcSender:
+    """The sender's end: owns the buffer, the headers and the `written` events. Build, publish
+    `spec()`, then `attach()` the receiver's answer."""
+
+    def __init__(self, device: torch.device, capacity: int = DEFAULT_CAPACITY, slots: int = DEFAULT_SLOTS):
+        if capacity < slots or slots < 1:
+            raise ValueError(f"CUDA IPC ring: {slots} slots in {capacity} bytes")
+        self.device, self.slots, self.slot_bytes = device, slots, capacity // slots
+        self.buf = torch.empty(slots * self.slot_bytes, dtype=torch.uint8, device=device)   # [slots * slot_bytes]
+        self.written = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
+        self.read: list[torch.cuda.Event] = []
+        self.headers = SlotHeaders(slots)
+        atexit.register(self.headers.close)
 
     def spec(self) -> str:
-        """What the receiver needs to map the slot and open `written`: handles, not data, as JSON (never
-        pickle: the store is a network service). The fields are torch's own CUDA IPC sharing tuple."""
+        """What the receiver needs: handles, not data (torch's own CUDA IPC sharing tuple)."""
         _, handle, size, offset, ref, ref_offset, event, event_sync = self.buf.untyped_storage()._share_cuda_()
-        return json.dumps({"capacity": self.capacity, "handle": _hex(handle), "size": size, "offset": offset,
-                           "ref_counter": _hex(ref), "ref_counter_offset": ref_offset, "event": _hex(event),
-                           "event_sync": bool(event_sync), "written": _hex(self.written.ipc_handle())})
+        return json.dumps({"slots": self.slots, "slot_bytes": self.slot_bytes, "handle": _hex(handle),
+                           "size": size, "offset": offset, "ref_counter": _hex(ref),
+                           "ref_counter_offset": ref_offset, "event": _hex(event), "event_sync": bool(event_sync),
+                           "written": [_hex(e.ipc_handle()) for e in self.written], "headers": self.headers.name})
 
     def attach(self, answer: bytes) -> None:
-        """The receiver's answer: its `read` event, or the error it hit mapping the slot."""
+        """The receiver's answer: its `read` events, or the error it hit mapping the buffer."""
         peer = json.loads(answer)
         if "error" in peer:
-            raise RuntimeError(f"the draft could not map the CUDA IPC slot: {peer['error']}")
-        self.read = torch.cuda.Event.from_ipc_handle(torch.device("cuda", _index(self.device)),
-                                                     bytes.fromhex(peer["read"]))
+            raise RuntimeError(f"the draft could not map the CUDA IPC buffer: {peer['error']}")
+        dev = torch.device("cuda", _index(self.device))
+        self.read = [torch.cuda.Event.from_ipc_handle(dev, bytes.fromhex(h)) for h in peer["read"]]
 
     def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.capacity
+        return nbytes <= self.slot_bytes
 
-    def write(self, rows: torch.Tensor, stream: torch.cuda.Stream) -> tuple[int, int]:
-        """Queue rows [N, D] into the slot on `stream` (the caller made it wait for the rows' producer);
-        -> (N, bytes per row). Records `written` after the copy."""
+    def push(self, tid: int, rows: torch.Tensor, code: int, stream: torch.cuda.Stream) -> None:
+        """Queue rows [N, D] into slot tid % slots on `stream` (the caller made it wait for the rows'
+        producer) and publish its header."""
         row_bytes = rows.shape[1] * rows.element_size()
         flat = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], row_bytes)   # [N, row bytes]
         n = flat.numel()
         if not self.fits(n):
-            raise ValueError(f"hidden rows of {n} bytes ({rows.shape[0]} rows) do not fit the CUDA IPC slot "
-                             f"of {self.capacity} bytes")
-        stream.wait_event(self.read)                  # the receiver copied the previous frame out
+            raise ValueError(f"hidden rows of {n} bytes ({rows.shape[0]} rows) do not fit a CUDA IPC slot "
+                             f"of {self.slot_bytes} bytes")
+        slot = tid % self.slots
+        self.headers.invalidate(slot)                 # before the overwrite is queued
+        stream.wait_event(self.read[slot])            # the receiver copied the slot's last frame out
         with torch.cuda.stream(stream):
             if n:
-                self.buf[:n].view_as(flat).copy_(flat)
-            self.written.record(stream)
-        rows.record_stream(stream)                    # the caller drops rows before this copy ran
-        return flat.shape[0], flat.shape[1]
+                start = slot * self.slot_bytes
+                self.buf[start:start + n].view_as(flat).copy_(flat)
+            self.written[slot].record(stream)
+        rows.record_stream(stream)                    # the caller may drop rows before this copy ran
+        self.headers.publish(slot, tid, flat.shape[0], row_bytes, code)
+
+    def close(self) -> None:
+        self.headers.close()
 
 
 class IpcReceiver:
-    """The receiver's end: maps the sender's slot, opens `written`, owns the `read` event."""
+    """The receiver's end: maps the sender's buffer and headers, opens `written`, owns `read`."""
 
     def __init__(self, device: torch.device, spec: bytes):
         peer = json.loads(spec)
         if "error" in peer:
-            raise RuntimeError(f"the target could not share its CUDA IPC slot: {peer['error']}")
-        self.device, self.capacity = device, int(peer["capacity"])
-        if int(peer["size"]) < self.capacity:
-            raise RuntimeError(f"CUDA IPC slot storage holds {peer['size']} bytes, the sender says {self.capacity}")
+            raise RuntimeError(f"the target could not share its CUDA IPC buffer: {peer['error']}")
+        self.device, self.slots, self.slot_bytes = device, int(peer["slots"]), int(peer["slot_bytes"])
+        total = self.slots * self.slot_bytes
+        if int(peer["size"]) < total:
+            raise RuntimeError(f"CUDA IPC storage holds {peer['size']} bytes, the sender says {total}")
         index = _index(device)                        # this process's index of the GPU (the sender's may differ)
         storage = torch.UntypedStorage._new_shared_cuda(
             index, bytes.fromhex(peer["handle"]), int(peer["size"]), int(peer["offset"]),
             bytes.fromhex(peer["ref_counter"]), int(peer["ref_counter_offset"]),
             _unhex(peer["event"]), bool(peer["event_sync"]))
-        # [capacity] bytes, mapped; held (with the mapping) for the channel's life
-        self.buf = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage, 0, (self.capacity,), (1,))
-        self.written = torch.cuda.Event.from_ipc_handle(torch.device("cuda", index), bytes.fromhex(peer["written"]))
-        self.read = torch.cuda.Event(interprocess=True)
+        # [slots * slot_bytes], mapped; held (with the mapping) for the channel's life
+        self.buf = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage, 0, (total,), (1,))
+        dev = torch.device("cuda", index)
+        self.written = [torch.cuda.Event.from_ipc_handle(dev, bytes.fromhex(h)) for h in peer["written"]]
+        self.read = [torch.cuda.Event(interprocess=True) for _ in range(self.slots)]
+        self.headers = SlotHeaders(self.slots, peer["headers"])
 
     def answer(self) -> str:
-        return json.dumps({"read": _hex(self.read.ipc_handle())})
+        return json.dumps({"read": [_hex(e.ipc_handle()) for e in self.read]})
 
-    def copy_out(self, n_rows: int, row_bytes: int, stream: torch.cuda.Stream) -> torch.Tensor:
-        """Frame [n_rows, row_bytes] out of the slot on `stream`; records `read`. The caller
-        synchronizes `stream` before the next pull (and before it uses the rows)."""
-        n = n_rows * row_bytes
-        if n > self.capacity:
-            raise ValueError(f"frame of {n_rows} rows x {row_bytes} bytes exceeds the CUDA IPC slot "
-                             f"of {self.capacity} bytes")
-        stream.wait_event(self.written)
+    def take(self, tid: int, stream: torch.cuda.Stream):
+        """-> (rows [N, bytes per row] uint8, dtype code), or None when transfer `tid` is not (or no
+        longer) in its slot. Synchronizes `stream`: the rows are complete when returned."""
+        slot = tid % self.slots
+        seen, n_rows, row_bytes, code = self.headers.read(slot)
+        if seen != tid:
+            return None
+        stream.wait_event(self.written[slot])
         with torch.cuda.stream(stream):
-            out = self.buf[:n].view(n_rows, row_bytes).clone()
-            self.read.record(stream)
-        return out
+            start = slot * self.slot_bytes
+            out = self.buf[start:start + n_rows * row_bytes].view(n_rows, row_bytes).clone()
+            self.read[slot].record(stream)
+        stream.synchronize()
+        return (out, code) if self.headers.tid(slot) == tid else None    # overwritten meanwhile: gone
+
+    def close(self) -> None:
+        self.headers.close()
 
 
 def error_answer(e: Exception) -> str:

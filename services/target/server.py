@@ -44,9 +44,9 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
         if not want:
             return None
         use_bridge = transport != rows_pb2.TRANSPORT_INLINE and self.channel is not None and self.channel.ready
-        if use_bridge and not self.channel.fits(rows):  # over the CUDA IPC slot (--bridge-ipc-mib): inline
-            log.warning("hidden rows of %d bytes (%d rows) exceed the bridge's CUDA IPC slot of %d MiB "
-                        "(--bridge-ipc-mib); sending them inline", rows.numel() * rows.element_size(),
+        if use_bridge and not self.channel.fits(rows):  # over a CUDA IPC slot (--bridge-ipc-mib / 8): inline
+            log.warning("hidden rows of %d bytes (%d rows) exceed a CUDA IPC slot of the bridge (%d MiB over 8 "
+                        "slots, --bridge-ipc-mib); sending them inline", rows.numel() * rows.element_size(),
                         rows.shape[0], self.cfg.bridge_ipc_mib)
             use_bridge = False
         if not use_bridge:
