@@ -23,6 +23,10 @@ from kernels import rows as _ref_rows
 from kernels import speculative as _ref_spec
 from kernels.speculative import sampling_probs  # noqa: F401  (no Triton kernel: always the reference)
 
+__all__ = ["sampling_probs", "greedy_verify", "rejection_sample", "prepare_mtp_inputs", "pad_rows",
+           "pad_shard_rows", "trim_rows", "attention_backend", "use_triton", "use_triton_forced",
+           "triton_available", "mode"]
+
 ENV = "TANDEM_KERNELS"
 MODES = ("auto", "reference", "triton")
 _triton_ok: bool | None = None

@@ -21,6 +21,8 @@ from models.tiny import TINY_CONFIG, init_random_
 from api_cluster import api_cluster  # noqa: F401,E402  (session fixture: the API tests' shared cluster)
 from fuzz_cluster import fuzz_cluster  # noqa: F401,E402  (session fixture: the hostile-input tests' cluster)
 
+__all__ = ["api_cluster", "fuzz_cluster"]    # fixtures re-exported for pytest
+
 # Tiny tensors: one thread is fastest, and avoids OpenMP spin-wait collapse on a busy 2-core box
 # (seen: 0.2 s -> 30 s for test_kv_cache.py). Also keeps reductions in one fixed order.
 torch.set_num_threads(1)

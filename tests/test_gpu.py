@@ -1,41 +1,19 @@
 """GPU end to end: `tandem serve --device cuda` (target on cuda:0, draft on cuda:1 over the NCCL bridge
 when two GPUs are present; one GPU: both on cuda:0 over the CUDA IPC bridge). Skipped without CUDA."""
-import signal
-import subprocess
-import sys
-import time
-
 import grpc
 import pytest
 import torch
 
-from cluster import REPO, free_ports, make_checkpoint
-from tandem.grpc_server import channel_options
-from tandem.v1 import (draft_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, rows_pb2, target_pb2,
-                       target_pb2_grpc)
+from cluster import serve_cuda
+from tandem.v1 import draft_pb2, generate_pb2, rows_pb2, target_pb2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; this machine has none")
 
 
 @pytest.fixture(scope="module")
 def cuda_cluster(tmp_path_factory):
-    model = make_checkpoint(tmp_path_factory.mktemp("gpu-ckpt"), seed=5)
-    gw, tp, dp, bp, dist, http = free_ports(6)
-    log = tmp_path_factory.mktemp("gpu-logs") / "serve.log"
-    cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(model), "-k", "3", "--device", "cuda",
-           "--dtype", "float32", "--grpc-port", str(gw), "--target-port", str(tp), "--draft-port", str(dp),
-           "--bridge-port", str(bp), "--dist-port", str(dist), "--http-port", str(http), "--num-blocks", "1024"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while b"tandem: serving" not in log.read_bytes():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.5)
-    chans = [grpc.insecure_channel(f"127.0.0.1:{p}", options=channel_options()) for p in (gw, tp, dp)]
-    yield (generate_pb2_grpc.GenerateServiceStub(chans[0]), target_pb2_grpc.TargetServiceStub(chans[1]),
-           draft_pb2_grpc.DraftServiceStub(chans[2]))
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+    with serve_cuda(tmp_path_factory.mktemp("gpu"), []) as (gateway, target, draft, _):
+        yield gateway, target, draft
 
 
 def test_cuda_greedy_speculation_equals_plain_decoding(cuda_cluster):

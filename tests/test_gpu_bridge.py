@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ import pytest
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # as a script
-from cluster import REPO, free_ports, make_checkpoint  # noqa: E402
+from cluster import REPO, free_ports, serve_cuda  # noqa: E402
 
 HIDDEN = 96
 CASES = [(1, torch.bfloat16), (7, torch.float32), (64, torch.bfloat16), (0, torch.float32),
@@ -159,30 +158,8 @@ def test_ipc_bridge_between_two_processes_on_one_gpu():
 # --- (b) tandem serve with target and draft on one GPU --------------------------------------------------
 @pytest.fixture(scope="module")
 def shared_gpu_cluster(tmp_path_factory):
-    import grpc
-
-    from tandem.grpc_server import channel_options
-    from tandem.v1 import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc
-    model = make_checkpoint(tmp_path_factory.mktemp("ipc-ckpt"), seed=5)
-    gw, tp, dp, bp, dist, http = free_ports(6)
-    log = tmp_path_factory.mktemp("ipc-logs") / "serve.log"
-    cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(model), "-k", "3", "--device", "cuda",
-           "--draft-device", "cuda:0", "--dtype", "float32", "--grpc-port", str(gw), "--target-port", str(tp),
-           "--draft-port", str(dp), "--bridge-port", str(bp), "--dist-port", str(dist), "--http-port", str(http),
-           "--num-blocks", "1024"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while b"tandem: serving" not in log.read_bytes():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.5)
-    chans = [grpc.insecure_channel(f"127.0.0.1:{p}", options=channel_options()) for p in (gw, tp, dp)]
-    yield (generate_pb2_grpc.GenerateServiceStub(chans[0]), target_pb2_grpc.TargetServiceStub(chans[1]),
-           draft_pb2_grpc.DraftServiceStub(chans[2]), log)
-    for ch in chans:
-        ch.close()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+    with serve_cuda(tmp_path_factory.mktemp("ipc"), ["--draft-device", "cuda:0"]) as stubs:
+        yield stubs
 
 
 def bridge_prefill(target, rid: str, prompt: list[int]):

@@ -14,7 +14,7 @@ from services.config import ServiceConfig
 from services.ranks import RankGroup, ServicerBase, run_service
 from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
 from tandem import grpc_server, tracing
-from tandem.v1 import draft_pb2, draft_pb2_grpc, rows_pb2, target_pb2
+from tandem.v1 import draft_pb2, draft_pb2_grpc, rows_pb2
 
 log = logging.getLogger("tandem.draft")
 
