@@ -19,6 +19,7 @@ import hashlib
 import json
 
 from models.config import ModelConfig
+from models.tiny import TINY_CONFIG
 
 PREFIX = "random:"
 WEIGHT_STD = 0.02
@@ -40,17 +41,7 @@ V2_LITE = dict(
 V2_LITE_YARN = {**V2_LITE, "max_position_embeddings": 163840, "rope_scaling": {
     "type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
     "mscale": 0.707, "mscale_all_dim": 0.707}}
-# CPU tests: the shapes of models/tiny.py (dense first layer, 8 experts, q-LoRA, one MTP layer).
-TINY = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
-    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
-    num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
-    norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=1,
-    rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0, rope_interleave=True,
-    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
-)
+TINY = TINY_CONFIG             # CPU tests: models/tiny.py's shapes (dense first layer, 8 experts, q-LoRA, MTP)
 PRESETS: dict[str, dict] = {"v2-lite": V2_LITE, "v2-lite-yarn": V2_LITE_YARN, "tiny": TINY}
 
 
