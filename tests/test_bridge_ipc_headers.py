@@ -1,15 +1,16 @@
-"""The CUDA IPC ring's host headers (services/bridge/ipc.py SlotHeaders), across real processes: a
-published header reads whole in the other process, an invalidated slot reads as empty, and the side
-that attached never unlinks the segment (only its owner does)."""
-import multiprocessing as mp
+"""The CUDA IPC ring's host headers (services/bridge/ipc.py SlotHeaders), across real processes (each
+with its own resource tracker, as target and draft have): a published header reads whole in the other
+process, an invalidated slot reads as empty, and the side that attached never unlinks the segment
+(only its owner does)."""
+import json
+import subprocess
+import sys
 
+from cluster import REPO
 from services.bridge.ipc import SlotHeaders
 
-
-def _read_all(name: str, q) -> None:
-    h = SlotHeaders(4, name)
-    q.put([h.read(s) for s in range(4)])
-    h.close()
+READER = ("import json, sys; from services.bridge.ipc import SlotHeaders; h = SlotHeaders(4, sys.argv[1]); "
+          "print(json.dumps([h.read(s) for s in range(4)])); h.close()")
 
 
 def test_slot_headers_cross_processes():
@@ -18,17 +19,12 @@ def test_slot_headers_cross_processes():
         owner.publish(1, 9, 4, 4096, 2)
         owner.publish(2, 10, 1, 4096, 2)
         owner.invalidate(2)                                    # an overwrite is being queued
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        p = ctx.Process(target=_read_all, args=(owner.name, q))
-        p.start()
-        seen = q.get(timeout=120)
-        p.join(60)
-        assert p.exitcode == 0
-        assert seen[1] == (9, 4, 4096, 2)
-        assert seen[2][0] == -1 and seen[0][0] == -1 and seen[3][0] == -1
-        again = SlotHeaders(4, owner.name)                     # still there after the reader exited
-        assert again.tid(1) == 9
-        again.close()
+        for _ in range(2):                                     # the second reader: still there after the first
+            out = subprocess.run([sys.executable, "-c", READER, owner.name], cwd=REPO, capture_output=True,
+                                 text=True, timeout=120)
+            assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+            seen = json.loads(out.stdout)
+            assert seen[1] == [9, 4, 4096, 2]
+            assert seen[2][0] == -1 and seen[0][0] == -1 and seen[3][0] == -1
     finally:
         owner.close()

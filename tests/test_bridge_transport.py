@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from services.bridge.channel import RowChannel, TransportError, choose_transport, endpoint
+from services.bridge.channel import RowChannel
+from services.bridge.transport import TransportError, choose_transport, endpoint
 from services.bridge.rows import CONTRACT_VERSION
 from services.config import ServiceConfig
 from tandem import serve

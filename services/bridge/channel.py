@@ -1,7 +1,7 @@
 """The bridge: a two-process channel that moves hidden rows target -> draft.
 
 Rank 0 (target) sends, rank 1 (draft) receives. The transport is agreed at start-up from both sides'
-request and device (`choose_transport`): gloo on CPU, NCCL between two GPUs, CUDA IPC (ipc.py) when
+request and device (transport.py): gloo on CPU, NCCL between two GPUs, CUDA IPC (ipc.py) when
 both are on one GPU (NCCL refuses two ranks on one device). The channel has its own TCPStore
 rendezvous (not the target's TP group), so either side can start first.
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -42,11 +41,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.bridge.ipc import DEFAULT_CAPACITY, IpcReceiver, IpcSender, device_uuid, error_answer
+from services.bridge.ipc import DEFAULT_CAPACITY, IpcReceiver, IpcSender, error_answer
+from services.bridge.transport import TRANSPORTS, choose_transport, endpoint
 
 log = logging.getLogger("tandem.bridge")
 PARK_TTL_S = 120.0
-TRANSPORTS = ("auto", "gloo", "nccl", "ipc")     # what a side may ask for (inline: no channel at all)
 _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
 
@@ -63,46 +62,6 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: t
     port = sock.getsockname()[1]
     return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
                          master_listen_fd=sock.detach())         # the store owns the fd from here
-
-
-def endpoint(requested: str, device) -> dict:
-    """This side's record for `choose_transport`: the same GPU has the same UUID in every process."""
-    device = torch.device(device)
-    return {"requested": requested, "device": str(device), "uuid": device_uuid(device),
-            "process": f"{socket.gethostname()}:{os.getpid()}"}
-
-
-def choose_transport(sender: dict, receiver: dict) -> str:
-    """Both sides' `endpoint` records -> gloo | nccl | ipc; TransportError naming both sides.
-
-    auto: gloo when either side is on the CPU (or both ends live in one process on one GPU), NCCL
-    between two GPUs, CUDA IPC on one GPU. An explicit choice on one side wins over auto on the
-    other; two different explicit choices are an error, as is one the devices cannot carry."""
-    s, r = sender["requested"], receiver["requested"]
-    both = (f"target --hidden-transport {s} on {sender['device']} (GPU {sender['uuid'] or '-'}), "
-            f"draft --hidden-transport {r} on {receiver['device']} (GPU {receiver['uuid'] or '-'})")
-    for side, v in (("target", s), ("draft", r)):
-        if v not in TRANSPORTS:
-            raise TransportError(f"{side} asks for hidden transport {v!r}, expected one of {list(TRANSPORTS)}")
-    if "auto" not in (s, r) and s != r:
-        raise TransportError(f"target and draft ask for different hidden-row transports: {both}")
-    want = r if s == "auto" else s
-    cuda = sender["device"].startswith("cuda") and receiver["device"].startswith("cuda")
-    same_gpu = cuda and bool(sender["uuid"]) and sender["uuid"] == receiver["uuid"]
-    same_process = sender["process"] == receiver["process"]
-    if want == "auto":
-        return "gloo" if not cuda or (same_gpu and same_process) else "ipc" if same_gpu else "nccl"
-    if want == "nccl" and (not cuda or same_gpu):
-        raise TransportError("the nccl hidden transport needs target and draft on two different GPUs "
-                             f"(NCCL refuses two ranks on one GPU; use auto or ipc there): {both}")
-    if want == "ipc" and (not same_gpu or same_process):
-        raise TransportError("the ipc hidden transport needs target and draft on the same GPU in two "
-                             f"processes (use auto or nccl across GPUs): {both}")
-    return want
-
-
-class TransportError(RuntimeError):
-    """Target and draft cannot agree on a transport for their devices."""
 
 
 class HandshakeError(RuntimeError):

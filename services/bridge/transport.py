@@ -1,0 +1,52 @@
+"""Which transport a bridge uses, from both sides' request and device: one pure function, so target and
+draft compute the same answer from the same two records (and both fail naming both when they cannot)."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from services.bridge.ipc import device_uuid
+
+TRANSPORTS = ("auto", "gloo", "nccl", "ipc")     # what a side may ask for (inline: no channel at all)
+
+
+class TransportError(RuntimeError):
+    """Target and draft cannot agree on a transport for their devices."""
+
+
+def endpoint(requested: str, device) -> dict:
+    """This side's record for `choose_transport`: the same GPU has the same UUID in every process."""
+    device = torch.device(device)
+    return {"requested": requested, "device": str(device), "uuid": device_uuid(device),
+            "process": f"{socket.gethostname()}:{os.getpid()}"}
+
+
+def choose_transport(sender: dict, receiver: dict) -> str:
+    """Both sides' `endpoint` records -> gloo | nccl | ipc; TransportError naming both sides.
+
+    auto: gloo when either side is on the CPU (or both ends live in one process on one GPU), NCCL
+    between two GPUs, CUDA IPC on one GPU. An explicit choice on one side wins over auto on the
+    other; two different explicit choices are an error, as is one the devices cannot carry."""
+    s, r = sender["requested"], receiver["requested"]
+    both = (f"target --hidden-transport {s} on {sender['device']} (GPU {sender['uuid'] or '-'}), "
+            f"draft --hidden-transport {r} on {receiver['device']} (GPU {receiver['uuid'] or '-'})")
+    for side, v in (("target", s), ("draft", r)):
+        if v not in TRANSPORTS:
+            raise TransportError(f"{side} asks for hidden transport {v!r}, expected one of {list(TRANSPORTS)}")
+    if "auto" not in (s, r) and s != r:
+        raise TransportError(f"target and draft ask for different hidden-row transports: {both}")
+    want = r if s == "auto" else s
+    cuda = sender["device"].startswith("cuda") and receiver["device"].startswith("cuda")
+    same_gpu = cuda and bool(sender["uuid"]) and sender["uuid"] == receiver["uuid"]
+    same_process = sender["process"] == receiver["process"]
+    if want == "auto":
+        return "gloo" if not cuda or (same_gpu and same_process) else "ipc" if same_gpu else "nccl"
+    if want == "nccl" and (not cuda or same_gpu):
+        raise TransportError("the nccl hidden transport needs target and draft on two different GPUs "
+                             f"(NCCL refuses two ranks on one GPU; use auto or ipc there): {both}")
+    if want == "ipc" and (not same_gpu or same_process):
+        raise TransportError("the ipc hidden transport needs target and draft on the same GPU in two "
+                             f"processes (use auto or nccl across GPUs): {both}")
+    return want
