@@ -82,9 +82,10 @@ class Scheduler:
     # --- service faults (called by the rounds and by gateway/watch.py) ----------------------------
     def draft_lost(self, reason: str, restarted: bool = True) -> None:
         """The draft failed or went away: every running request decodes without drafts, and is re-synced
-        before the draft proposes for it again. Unless it was only slow (restarted=False: a Propose past
-        its deadline), rows go inline from now on: the bridge's rendezvous does not survive a draft
-        restart (the target keeps its old peer)."""
+        before the draft proposes for it again. When the draft (or its bridge) is gone (restarted: an
+        UNAVAILABLE), rows go inline from now on: the bridge's rendezvous does not survive a draft
+        restart (the target keeps its old peer). A Propose that was only slow or lost its rows
+        (DEADLINE_EXCEEDED, NOT_FOUND) keeps the bridge."""
         self.avail.draft_failed(reason)
         for r in self.running:
             if r.speculate:
@@ -187,7 +188,7 @@ class Scheduler:
                     r.speculate, r.stale = False, True
                 if not (by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):   # else: they expire
                     self.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})",
-                                    restarted=e.code() != grpc.StatusCode.DEADLINE_EXCEEDED)
+                                    restarted=e.code() == grpc.StatusCode.UNAVAILABLE)
             else:
                 self.avail.draft_proposed()
                 split.update(propose=time.perf_counter() - t0, transfer=presp.timing.transfer_seconds,

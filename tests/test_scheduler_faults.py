@@ -101,6 +101,23 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def test_slow_or_rowless_propose_keeps_the_bridge():
+    # only a gone draft (UNAVAILABLE) loses the bridge; a Propose past its deadline (a first compile,
+    # a stall) or one whose rows were overwritten (NOT_FOUND) degrades the round and keeps it
+    async def main():
+        for code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND):
+            target, draft = FakeTarget(), FakeDraft()
+            s = Scheduler(target, draft, {2}, draft_timeout_s=3.0, transport=rows_pb2.TRANSPORT_BRIDGE)
+            r = request(s)
+            s.submit(r)
+            await s.step()
+            draft.fail = code
+            await s.step()
+            assert s.avail.degraded and r.stale, code
+            assert s.transport == rows_pb2.TRANSPORT_BRIDGE, code
+    run(main())
+
+
 def test_draft_failure_degrades_then_resyncs_and_resumes(monkeypatch):
     async def main():
         target, draft = FakeTarget(), FakeDraft()
