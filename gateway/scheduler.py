@@ -184,6 +184,7 @@ class Scheduler:
                     for r in batch:
                         self._fail(r, e.code(), f"draft Propose: {e.details()}")
                     return
+                split["propose"] = time.perf_counter() - t0     # a failed Propose's wall is not the gateway's
                 for r in spec:                 # the draft's state of them is unknown: re-sync later
                     r.speculate, r.stale = False, True
                 if not (by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):   # else: they expire

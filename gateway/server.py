@@ -280,6 +280,8 @@ def parse(argv) -> GatewayConfig:
                    "(--random-config of `tandem target`): no tokenizer, requests must send token ids")
     tls_mod.add_flags(p)
     a = p.parse_args(argv)
+    if a.model and a.random_config:      # as on target and draft: one model, named one way
+        p.error(f"--model ({a.model}) and --random-config ({a.random_config}) exclude each other")
     model = a.model or (f"random:{a.random_config}" if a.random_config else default_model())
     return GatewayConfig(**{**vars(a), "model": str(model)}).validate()
 

@@ -21,15 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_dot import dot, dot_precision
+
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr):
-    # PRECISION "upcast": the interpreter, whose bf16 / fp16 tl.dot is wrong (Triton 3.6): exact fp32 inputs
-    if PRECISION == "upcast":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -44,14 +38,14 @@ def _key_tile(start, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, lo, hi, 
                 other=0.0).to(q.dtype)                                            # [BN, BR]
     k = tl.load(kpe_ptr + (page * s_kb + row * s_ks)[:, None] + p[None, :], mask=jm[:, None] & pm[None, :],
                 other=0.0).to(q.dtype)                                            # [BN, BP]
-    s = _dot(q, tl.trans(c), PRECISION) + _dot(qp, tl.trans(k), PRECISION)        # [BH, BN] fp32
+    s = dot(q, tl.trans(c), PRECISION) + dot(qp, tl.trans(k), PRECISION)          # [BH, BN] fp32
     s = tl.where(jm[None, :], s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                         # no live key yet
     alpha = tl.exp2(m_i - m_safe)
     e = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(e, 1)
-    acc = acc * alpha[:, None] + _dot(e.to(c.dtype), c, PRECISION)
+    acc = acc * alpha[:, None] + dot(e.to(c.dtype), c, PRECISION)
     return m_new, l_i, acc
 
 
@@ -130,11 +124,6 @@ def _combine_kernel(ws_ptr, ml_ptr, out_ptr, s_on, s_oh, H, R,
     tl.store(out_ptr + n * s_on + heads[:, None] * s_oh + r[None, :], out.to(out_ptr.dtype.element_ty), mask=omask)
 
 
-def _precision(x: torch.Tensor) -> str:
-    # fp32 stays fp32 (ieee, not tf32); half types use the tensor cores; the interpreter upcasts
-    return "ieee" if x.dtype == torch.float32 else "tf32" if x.is_cuda else "upcast"
-
-
 @functools.lru_cache(maxsize=None)
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -182,7 +171,7 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Ten
                       out.stride(1), H, R, P, block_size, scale * LOG2E,
                       BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(P)),
                       SPLITS=splits, KV_TILES=0 if q_lat.is_cuda else triton.cdiv(max_context, block_n),
-                      DYNAMIC_LOOP=q_lat.is_cuda, PRECISION=_precision(q_lat),
+                      DYNAMIC_LOOP=q_lat.is_cuda, PRECISION=dot_precision(q_lat),
                       num_warps=num_warps or (8 if block_r >= 256 else 4), num_stages=2)
     if splits > 1:
         _combine_kernel[grid[:2]](ws, ml, out, out.stride(0), out.stride(1), H, R,

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_dot import dot, dot_precision
+
 
 @triton.jit
 def _expert_of(ids_ptr, i, Nk, first, E):
@@ -74,14 +76,6 @@ def moe_align(ids: torch.Tensor, first: int, num_local: int, block_m: int):
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr):
-    # PRECISION "upcast": the interpreter, whose bf16 / fp16 tl.dot is wrong (Triton 3.6): exact fp32 inputs
-    if PRECISION == "upcast":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, blk_ptr, h_ptr, s_xn, s_we, s_wn, s_hm, D, I, E, TOPK,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     K_TILES: tl.constexpr, PRECISION: tl.constexpr):
@@ -104,8 +98,8 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, blk_ptr, h_ptr, s_xn, s_we, s_wn, s_
         w = w_ptr + e * s_we + k[:, None]                                         # [BK, BN] transposed tiles
         wg = tl.load(w + cols[None, :] * s_wn, mask=km[:, None] & cm[None, :], other=0.0).to(a.dtype)
         wu = tl.load(w + (cols + I)[None, :] * s_wn, mask=km[:, None] & cm[None, :], other=0.0).to(a.dtype)
-        g += _dot(a, wg, PRECISION)
-        u += _dot(a, wu, PRECISION)
+        g += dot(a, wg, PRECISION)
+        u += dot(a, wu, PRECISION)
     h = g / (1.0 + tl.exp(-g)) * u                                                # silu(gate) * up
     tl.store(h_ptr + rows[:, None] * s_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=cm[None, :])
 
@@ -130,15 +124,11 @@ def _down_kernel(h_ptr, w_ptr, pair_ptr, blk_ptr, rw_ptr, out_ptr, s_hm, s_we, s
         a = tl.load(h_ptr + rows[:, None] * s_hm + k[None, :], mask=live[:, None] & km[None, :], other=0.0)
         w = tl.load(w_ptr + e * s_we + k[:, None] + cols[None, :] * s_wn, mask=km[:, None] & cm[None, :],
                     other=0.0).to(a.dtype)
-        acc += _dot(a, w, PRECISION)
+        acc += dot(a, w, PRECISION)
     rw = tl.load(rw_ptr + tl.where(live, pair, 0), mask=live, other=0.0).to(tl.float32)
     safe = tl.where(live, pair, 0)
     tl.store(out_ptr + safe[:, None] * s_on + cols[None, :], (acc * rw[:, None]).to(out_ptr.dtype.element_ty),
              mask=live[:, None] & cm[None, :])
-
-
-def _precision(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32" if x.is_cuda else "upcast"
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -159,7 +149,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
     if N == 0:
         return out.view(N, k, D).sum(1)
     rw = weights.reshape(-1).float().contiguous()                                 # [N*k]
-    prec = _precision(x)
+    prec = dot_precision(x)
     bn, bk = 64, 64
     _gate_up_kernel[(max_blocks, triton.cdiv(I, bn))](
         x, w13, pair_ids, block_expert, h, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), D, I, E, k,

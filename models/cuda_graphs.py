@@ -1,7 +1,8 @@
 """CUDA graphs of a model's forward (target verify / decode steps, the draft's MTP steps).
 
-A graph is captured lazily per bucket (B_pad requests, N_pad tokens): B_pad the next of
-BATCH_BUCKETS >= B, N_pad the next power of two >= N. Every tensor the forward reads is a static
+A graph is captured per bucket (B_pad requests, N_pad tokens): B_pad the next of BATCH_BUCKETS >= B,
+N_pad the next power of two >= N; at start for every bucket up to a batch size (`enable(warmup_batch=)`,
+as the services do), else on a bucket's first use. Every tensor the forward reads is a static
 buffer of that shape; each replay rewrites the real rows in place and points the padding at
   - a padding request (index >= B) with context length 0 (its attention output is zero), and
   - one scratch cache slot that no request owns (the padding tokens' K/V writes land there).
@@ -48,6 +49,7 @@ class GraphedForward:
         cache.allocate(PAD_REQUEST)                      # one block held for the padding tokens' writes
         cache.extend(PAD_REQUEST, 1)
         self.scratch_slot = cache._tables[PAD_REQUEST][0] * cache.block_size
+        self.reserved_blocks = len(cache._tables[PAD_REQUEST])   # never a request's (GetInfo leaves it out)
         self.replays = self.eager = 0
 
     def bucket(self, batch: AttentionBatch) -> tuple[int, int] | None:

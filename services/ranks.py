@@ -129,10 +129,11 @@ def service_info(cfg: ServiceConfig, engine, running: int):
     from services.bridge.rows import CONTRACT_VERSION
     from tandem.v1 import target_pb2
     mc = engine.model.cfg
+    reserved = getattr(engine.forward, "reserved_blocks", 0)     # CUDA graphs' scratch block: no request's
     return target_pb2.InfoResponse(
         model=cfg.model, vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
         eos_token_ids=list(mc.eos_token_ids), max_model_len=engine.max_model_len,
-        kv_blocks_total=engine.cache.num_blocks, kv_blocks_free=engine.cache.num_free_blocks,
+        kv_blocks_total=engine.cache.num_blocks - reserved, kv_blocks_free=engine.cache.num_free_blocks,
         running_requests=running, contract_version=CONTRACT_VERSION,
         num_nextn_predict_layers=mc.num_nextn_predict_layers, model_identity=model_identity(cfg.model))
 

@@ -9,7 +9,6 @@ before the following round. Served tokens/s divided by these tokens/s is the cos
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 from collections import deque
@@ -19,14 +18,14 @@ from pathlib import Path
 import torch
 
 from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
+from services.ranks import on_device
 from services.target.engine import Sampling, TargetEngine
 
 
 def service_devices(device: str) -> tuple[str, str]:
     """(target, draft) devices as `tandem serve --device` picks them."""
-    if device != "cuda":
-        return device, device
-    return "cuda:0", ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+    from tandem.serve import placement
+    return placement(argparse.Namespace(device=device, draft_device="", hidden_transport="auto"))
 
 
 def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_blocks: int = 2048,
@@ -47,12 +46,6 @@ def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_
             cuda_graphs.enable(engines[-1], extra_rows=int(engine_cls is DraftEngine))
     engines[0].synthetic_acceptance = synthetic_acceptance
     return engines[0], engines[1]
-
-
-def _on(engine):
-    """Run on the engine's GPU: the current CUDA device is per thread, and kernels launch on it."""
-    dev = engine.cache.device
-    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass
@@ -94,7 +87,7 @@ def run_loop(te: TargetEngine, de: DraftEngine | None, prompts: list[list[int]],
         new = [waiting.popleft() for _ in range(min(batch - len(running), len(waiting)))]
         if new:
             t0 = time.perf_counter()
-            with _on(te):
+            with on_device(te.cache.device):
                 first, hidden = te.prefill([(rid(i), p, Sampling(seed=seed0 + i)) for i, p in new])
             split["prefill"] += time.perf_counter() - t0
             for (i, p), tok, h in zip(new, first, hidden.split([len(p) for _, p in new])):
@@ -110,14 +103,14 @@ def run_loop(te: TargetEngine, de: DraftEngine | None, prompts: list[list[int]],
             t0 = time.perf_counter()
             items = [ProposeItem(rid(i), pending[i], k, DraftSampling(), position[i]) for i in running]
             de.expected_rows(items)
-            with _on(de):
+            with on_device(de.cache.device):
                 proposals = de.propose(items, {rid(i): rows[i] for i in running})
             for i, (d, _) in zip(running, proposals):
                 props[i] = d
                 position[i] += len(pending[i])
             split["propose"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        with _on(te):
+        with on_device(te.cache.device):
             acc, emitted, hidden = te.verify([(rid(i), props.get(i, []), None) for i in running])
         split["verify"] += time.perf_counter() - t0
         rounds += 1

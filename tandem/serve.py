@@ -77,6 +77,8 @@ def parse(argv):
                    "v2-lite-yarn, tiny) built on the device instead of --model; no tokenizer: send token ids")
     p.add_argument("--seed", type=int, default=0, help="seed of the --random-config weights")
     p.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs in target and draft")
+    p.add_argument("--bridge-ipc-mib", type=int, default=256, help="target: the CUDA IPC ring of the hidden-row "
+                   "bridge (8 slots; a larger transfer goes inline)")
     p.add_argument("--synthetic-acceptance", type=float, default=-1.0, help="BENCHMARK ONLY, changes the output: "
                    "the target accepts each draft with probability P after its real forward (greedy only; "
                    "< 0: off). See services/target/synthetic.py")
@@ -129,6 +131,7 @@ def commands(a) -> list[tuple[str, list[str], str]]:
     sp = ["--sequence-parallel"] if a.sequence_parallel else []
     cmds = [("target", py + ["target", "--device", t_dev, "--grpc-port", str(a.target_port), "--tp", str(a.tp),
                              "--ep", str(a.ep), "--dist-addr", f"127.0.0.1:{a.dist_port}"] + sp + common
+             + ["--bridge-ipc-mib", str(a.bridge_ipc_mib)]
              + (["--synthetic-acceptance", str(a.synthetic_acceptance)] if a.synthetic_acceptance >= 0 else []),
              f"127.0.0.1:{a.target_port}")]
     if a.num_speculative_tokens > 0:

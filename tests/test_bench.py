@@ -130,3 +130,24 @@ def test_bench_bridge_over_gloo(tmp_path):
     assert main(["--device", "cpu", "--batches", "1,8", "--warmup", "2", "--iters", "5", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bridge.json").read_text())
     assert [r["rows"] for r in rows] == [4, 32] and all(r["bridge_us"] > 0 and r["bare_us"] > 0 for r in rows)
+
+
+def test_cuda_graph_scratch_block_is_not_reported_as_used():
+    # GraphedForward holds one cache block for its padding tokens' writes; GetInfo must not count it as
+    # used, or an idle GPU service looks like it leaked a block (free != total with no request running)
+    from types import SimpleNamespace
+
+    from models.cuda_graphs import GraphedForward
+    from services.ranks import service_info
+    te, _ = make_engines(TINY)
+    te.forward = GraphedForward(te.model, te.cache, te.model.cfg.hidden_size, torch.float32, te.max_model_len)
+    info = service_info(SimpleNamespace(model=TINY), te, 0)
+    assert info.kv_blocks_free == info.kv_blocks_total == te.cache.num_blocks - 1
+
+
+def test_gateway_takes_random_config_or_model_not_both():
+    from gateway.server import parse
+    cfg = parse(["--random-config", "tiny"])
+    assert cfg.model_name == "random-tiny" and cfg.random_config == "tiny"
+    with pytest.raises(SystemExit):
+        parse(["--random-config", "tiny", "--model", "checkpoints/tandem-code-mini"])

@@ -153,3 +153,11 @@ def test_serve_passes_ipc_to_the_services_and_checks_the_placement(monkeypatch):
     with pytest.raises(SystemExit, match="nccl needs target and draft on two different GPUs, got target cuda:0, "
                                          "draft cuda:0"):
         serve.commands(serve.parse(["--device", "cuda", "--draft-device", "cuda:0", "--hidden-transport", "nccl"]))
+
+
+def test_serve_passes_the_ipc_ring_size_to_the_target(monkeypatch):
+    # --bridge-ipc-mib is a target flag; `tandem serve` must hand it on (the draft's receiver end ignores it)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cmds = {n: c for n, c, _ in serve.commands(serve.parse(["--device", "cuda", "--bridge-ipc-mib", "64"]))}
+    assert flags(cmds["target"], "--bridge-ipc-mib") == "64"
+    assert "--bridge-ipc-mib" not in cmds["draft"] and "--bridge-ipc-mib" not in cmds["gateway"]

@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from bridge_checks import assert_bridge_contract
 from cluster import Cluster, make_checkpoint, serve_module
 from models.loader import load_model
 from models.model import TargetModel
@@ -252,6 +253,19 @@ def test_bridge_descriptor_disagrees(cluster, ref_model):
         cluster.release([r])
     assert_still_serves(cluster, ref_model, BRIDGE)
     assert_still_serves(cluster, ref_model, INLINE)
+
+
+def test_bridge_contract_as_the_gpu_tests_check_it(cluster):
+    """cluster.assert_bridge_contract, which tests/test_gpu*.py run over NCCL and CUDA IPC, here over gloo:
+    the bad descriptor is refused naming the request and both counts, and the same transfer is then
+    taken by a correct Propose."""
+    r = rid("gpu-check")
+    try:
+        rows, item = assert_bridge_contract(cluster.target, cluster.draft, r, prompt_of(6, 7))
+        good = cluster.draft.Propose(draft_pb2.ProposeRequest(items=[item], hidden_rows=[rows]), timeout=TIMEOUT)
+        assert len(good.results[0].draft_token_ids) == 2
+    finally:
+        cluster.release([r])
 
 
 def test_bridge_frame_disagrees_with_descriptor(cluster, ref_model):

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # as a script
+from bridge_checks import assert_bridge_contract  # noqa: E402
 from cluster import REPO, free_ports, serve_cuda  # noqa: E402
 
 HIDDEN = 96
@@ -162,42 +163,14 @@ def shared_gpu_cluster(tmp_path_factory):
         yield stubs
 
 
-def bridge_prefill(target, rid: str, prompt: list[int]):
-    """Prefill asking for BRIDGE rows, until the bridge (connecting in the background) carries them."""
-    from tandem.v1 import rows_pb2, target_pb2
-    deadline = time.monotonic() + 120
-    while True:
-        resp = target.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
-            request_id=rid, prompt_token_ids=prompt)], return_hidden_rows=True,
-            transport=rows_pb2.TRANSPORT_BRIDGE), timeout=60)
-        if resp.hidden_rows.transport == rows_pb2.TRANSPORT_BRIDGE or time.monotonic() > deadline:
-            return resp
-        target.Release(target_pb2.ReleaseRequest(request_ids=[rid]), timeout=10)
-        time.sleep(0.2)               # polling a background connect; nothing to await on the wire
-
-
 @needs_cuda
 def test_shared_gpu_bridge_is_ipc_and_contract_fires(shared_gpu_cluster):
-    import grpc
-
-    from tandem.v1 import draft_pb2, rows_pb2, target_pb2
+    from tandem.v1 import draft_pb2, target_pb2
     _, target, draft, log = shared_gpu_cluster
-    prompt = [5, 9, 17, 33, 65, 129]
-    resp = bridge_prefill(target, "ipc-contract", prompt)
-    rows = resp.hidden_rows
-    assert rows.transport == rows_pb2.TRANSPORT_BRIDGE and rows.num_rows == len(prompt), rows
+    rows, item = assert_bridge_contract(target, draft, "ipc-contract", [5, 9, 17, 33, 65, 129])
     text = log.read_text()
     assert "bridge sender connected (ipc, cuda:0)" in text and "bridge receiver connected (ipc, cuda:0)" in text, \
         text[-4000:]
-    item = draft_pb2.ProposeItem(request_id="ipc-contract", new_token_ids=prompt + [resp.first_token_ids[0]],
-                                 num_draft_tokens=2, position=0)
-    bad = draft_pb2.ProposeRequest(items=[item], hidden_rows=[rows])
-    bad.hidden_rows[0].rows_per_request[0] = len(prompt) - 1
-    bad.hidden_rows[0].num_rows = len(prompt) - 1
-    with pytest.raises(grpc.RpcError) as e:
-        draft.Propose(bad, timeout=30)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert str(len(prompt)) in e.value.details() and str(len(prompt) - 1) in e.value.details(), e.value.details()
     good = draft.Propose(draft_pb2.ProposeRequest(items=[item], hidden_rows=[rows]), timeout=30)
     assert len(good.results[0].draft_token_ids) == 2          # the same transfer, taken through the IPC slot
     target.Release(target_pb2.ReleaseRequest(request_ids=["ipc-contract"]), timeout=10)

@@ -10,7 +10,6 @@ where the reference rounds them to bf16): fp32 within 1e-5, bf16 within 2 % of t
 import collections
 import dataclasses
 import os
-import subprocess
 import sys
 
 import pytest
@@ -35,6 +34,7 @@ from models.model import TargetModel  # noqa: E402
 from models.moe import MoE  # noqa: E402
 from models.runner import forward_tokens, greedy_generate, new_cache  # noqa: E402
 from models.tiny import TINY_CONFIG, init_random_  # noqa: E402
+from triton_cubin import compile_for_gpu  # noqa: E402
 
 NO_CUDA = "needs CUDA; this machine has none (the interp cases run the same kernels on CPU)"
 BACKENDS = ["interp", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason=NO_CUDA)])]
@@ -376,9 +376,4 @@ for fn, ptrs, ints, consts in KERNELS:
 
 @pytest.mark.parametrize("arch", [90])                                      # H200: sm_90
 def test_kernels_compile_for_the_gpu_without_one(tmp_path, arch):
-    # the interpreter forgives what the compiler rejects: compile each kernel to a cubin for the GPU
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    r = subprocess.run([sys.executable, "-c", COMPILE, str(arch)], env=env, capture_output=True, text=True,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
-    assert r.returncode == 0 and r.stdout.count("compiled") == 7, r.stdout + r.stderr[-3000:]
+    compile_for_gpu(COMPILE, arch, tmp_path, expected=7)

@@ -20,6 +20,7 @@ import pytest
 from gateway import availability
 from gateway.availability import Availability
 from gateway.core import GenerationError, QueueFull
+from gateway.request import Observer
 from gateway.scheduler import GenRequest, Scheduler
 from gateway.text import TextStream
 from gateway.watch import info_changes
@@ -116,6 +117,33 @@ def test_slow_or_rowless_propose_keeps_the_bridge():
             assert s.avail.degraded and r.stale, code
             assert s.transport == rows_pb2.TRANSPORT_BRIDGE, code
     run(main())
+
+
+def test_a_failed_propose_counts_as_propose_time_not_gateway_time():
+    # the round split: a Propose that ran 0.3 s and failed is propose time; gateway = round less both RPCs
+    class SlowFailingDraft(FakeDraft):
+        async def Propose(self, req, timeout=None):
+            await asyncio.sleep(0.3)
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "slow")
+
+    class Splits(Observer):
+        def __init__(self):
+            self.rounds: list[dict] = []
+
+        def round_split(self, seconds):
+            self.rounds.append(dict(seconds))
+
+    async def main():
+        obs = Splits()
+        s = Scheduler(FakeTarget(), SlowFailingDraft(), {2}, draft_timeout_s=3.0, observer=obs)
+        s.submit(request(s))
+        await s.step()
+        await s.step()
+        return obs.rounds
+    rounds = run(main())
+    failed = next(r for r in rounds if r["propose"] > 0)
+    assert failed["propose"] >= 0.3 and failed["gateway"] < 0.2, failed
+    assert failed["transfer"] == failed["draft_compute"] == 0.0
 
 
 def test_draft_failure_degrades_then_resyncs_and_resumes(monkeypatch):

@@ -25,6 +25,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from kernels import dispatch, rows as ref_rows, speculative as ref_spec  # noqa: E402
 from kernels import triton_rows, triton_speculative  # noqa: E402
+from triton_cubin import compile_for_gpu  # noqa: E402
 
 MODULES = (triton_speculative, triton_rows)
 NO_CUDA = "needs CUDA; this machine has none (the interp cases run the same kernels on CPU)"
@@ -309,11 +310,4 @@ for fn, ptrs, consts in KERNELS:
 
 @pytest.mark.parametrize("arch", [90])                                      # H200: sm_90
 def test_kernels_compile_for_the_gpu_without_one(tmp_path, arch):
-    # The interpreter forgives what the compiler rejects (types, scalar control flow); compile each kernel
-    # to a cubin for the GPU with Triton's bundled ptxas, in a process without TRITON_INTERPRET.
-    import subprocess
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    r = subprocess.run([sys.executable, "-c", COMPILE, str(arch)], env=env, capture_output=True, text=True,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
-    assert r.returncode == 0 and r.stdout.count("compiled") == 5, r.stdout + r.stderr[-3000:]
+    compile_for_gpu(COMPILE, arch, tmp_path, expected=5)

@@ -278,7 +278,7 @@ class RowChannel:
         return tid, n_rows, row_bytes, code, payload
 
     def discard(self, transfer_id: int) -> None:
-        """Receiver side: nothing to free (rows are only moved when pulled)."""
+        """Receiver side: nothing to free (NCCL / gloo move rows only when pulled; an IPC slot is reused)."""
 
 
 def _on(stream):
