@@ -101,6 +101,22 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def write_results(out: str | Path, name: str, md: str | None, data, plot_fn=None) -> None:
+    """One benchmark's outputs under `out`: name.md (also printed), name.json, and name.png by plot_fn(path)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    written = [out / f"{name}.json"]
+    if md is not None:
+        (out / f"{name}.md").write_text(md)
+        written.insert(0, out / f"{name}.md")
+        print(md)
+    if plot_fn is not None:
+        plot_fn(out / f"{name}.png")
+        written.append(out / f"{name}.png")
+    print("wrote " + ", ".join(str(p) for p in written))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -155,15 +171,9 @@ def acceptance(argv) -> int:
             rows += run_acceptance(stub, prompts, list(range(1, a.max_k + 1)), t, a.max_tokens, a.concurrency)
     finally:
         stop_cluster(proc)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     md = (f"Acceptance of {model} on {a.prompts} held-out prompts ({a.prompt_chars} chars), "
           f"{a.max_tokens} new tokens each, {time.time() - started:.0f} s\n\n" + table(rows) + "\n")
-    (out / "acceptance.md").write_text(md)
-    (out / "acceptance.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out / "acceptance.png")
-    print(md)
-    print(f"wrote {out / 'acceptance.md'}, {out / 'acceptance.png'}")
+    write_results(a.out, "acceptance", md, rows, lambda path: plot(rows, path))
     return 0
 
 

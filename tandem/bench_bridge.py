@@ -11,10 +11,10 @@ Medians after --warmup transfers. Needs two GPUs for NCCL: with fewer it says so
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
+
+from tandem.bench import write_results
 
 
 def _tid(b: int, i: int) -> int:
@@ -145,9 +145,5 @@ def main(argv=None) -> int:
     md = (f"Hidden-row bridge vs bare torch.distributed ({'NCCL cuda:0 -> cuda:1' if a.device == 'cuda' else 'gloo, cpu'}"
           f"), hidden {a.hidden} {a.dtype}, K = {a.k}, medians of {a.iters} after {a.warmup}, "
           f"{time.strftime('%Y-%m-%d')}\n`tandem bench bridge {' '.join(argv or [])}`\n\n" + table(rows) + "\n")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bridge.md").write_text(md)
-    (out / "bridge.json").write_text(json.dumps(rows, indent=1))
-    print(md)
+    write_results(a.out, "bridge", md, rows)
     return 0

@@ -13,12 +13,12 @@ time / floor says how far the step is from what the memory system allows (../sha
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
+
+from tandem.bench import write_results
 
 
 def copy_bandwidth(device: str, nbytes: int, iters: int = 10) -> float:
@@ -173,9 +173,5 @@ def main(argv=None) -> int:
     md = (f"Verify step vs floor: {model_id} ({params / 1e6:.1f} M parameters, {str(dtype)[6:]}) on {device}, "
           f"{a.prompt_tokens}-token contexts, {time.strftime('%Y-%m-%d')}\n`tandem bench floor {' '.join(argv or [])}`"
           "\n\n" + table(rows, bw) + "\n")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "floor.md").write_text(md)
-    (out / "floor.json").write_text(json.dumps({"copy_bandwidth_bytes_per_s": bw, "rows": rows}, indent=1))
-    print(md)
+    write_results(a.out, "floor", md, {"copy_bandwidth_bytes_per_s": bw, "rows": rows})
     return 0

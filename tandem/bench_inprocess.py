@@ -9,17 +9,16 @@ before the following round. Served tokens/s divided by these tokens/s is the cos
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
 from services.ranks import on_device
 from services.target.engine import Sampling, TargetEngine
+from tandem.bench import write_results
 
 
 def service_devices(device: str) -> tuple[str, str]:
@@ -155,10 +154,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     model = random_id(a) or str(a.model or default_model())
     rows = run_grid(model, a)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "inprocess.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows],
-                                                   indent=1))
+    write_results(a.out, "inprocess", None, [{k: v for k, v in r.items() if k != "outputs"} for r in rows])
     for r in rows:
         print(f"batch {r['batch']:3d} K={r['k']}: {r['tokens_per_s']:9.1f} tok/s  MAL {r['mean_acceptance_length']:.2f}")
     return 0

@@ -13,7 +13,6 @@ Greedy requests sent as token ids (seeded 1000 + i), ignore_eos. Unknown flags g
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import urllib.request
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from tandem.bench import bench_prompts, start_cluster, stop_cluster
+from tandem.bench import bench_prompts, start_cluster, stop_cluster, write_results
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 METRIC = "tandem:round_phase_seconds"
@@ -189,8 +188,6 @@ def main(argv=None) -> int:
                      served_over_inprocess=r["tokens_per_s"] / ip["tokens_per_s"],
                      inprocess_ms_per_round=ip["ms_per_round"],
                      inprocess_mean_acceptance_length=ip["mean_acceptance_length"])
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     synth = (f"; WARNING: BENCHMARK ONLY synthetic acceptance {a.synthetic_acceptance} (drafts accepted at random "
              "after the real forward; outputs are not the model's)" if a.synthetic_acceptance >= 0 else "")
     md = (f"Speed of {model} on {a.device} ({time.strftime('%Y-%m-%d')}), greedy, {a.prompt_tokens}-token prompts, "
@@ -199,9 +196,5 @@ def main(argv=None) -> int:
           "ms per round: propose / verify are the RPC walls seen by the gateway; transfer and draft compute are "
           "inside propose, target compute inside verify; RPC overhead = propose + verify less those; gateway = "
           "round less both RPCs.\n")
-    (out / "speed.md").write_text(md)
-    (out / "speed.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out / "speed.png")
-    print(md)
-    print(f"wrote {out / 'speed.md'}, {out / 'speed.json'}, {out / 'speed.png'}")
+    write_results(a.out, "speed", md, rows, lambda path: plot(rows, path))
     return 0

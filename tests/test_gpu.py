@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bridge_checks import assert_bridge_contract
-from cluster import serve_cuda
+from gpu_cluster import serve_cuda
 from tandem.v1 import generate_pb2, target_pb2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; this machine has none")

@@ -27,7 +27,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # as a script
 from bridge_checks import assert_bridge_contract  # noqa: E402
-from cluster import REPO, free_ports, serve_cuda  # noqa: E402
+from cluster import REPO, free_ports  # noqa: E402
+from gpu_cluster import serve_cuda  # noqa: E402
 
 HIDDEN = 96
 CASES = [(1, torch.bfloat16), (7, torch.float32), (64, torch.bfloat16), (0, torch.float32),
