@@ -19,12 +19,13 @@ import os
 
 import torch
 
+from kernels import dsa as _ref_dsa
 from kernels import rows as _ref_rows
 from kernels import speculative as _ref_spec
 from kernels.speculative import sampling_probs  # noqa: F401  (no Triton kernel: always the reference)
 
 __all__ = ["sampling_probs", "greedy_verify", "rejection_sample", "prepare_mtp_inputs", "pad_rows",
-           "pad_shard_rows", "trim_rows", "attention_backend", "use_triton", "use_triton_forced",
+           "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla", "attention_backend", "use_triton", "use_triton_forced",
            "triton_available", "mode"]
 
 ENV = "TANDEM_KERNELS"
@@ -102,6 +103,25 @@ def _spec():
 
 def _rows():
     return importlib.import_module("kernels.triton_rows")
+
+
+def _dsa():
+    return importlib.import_module("kernels.triton_dsa")
+
+
+def index_scores(q, w, k_cache, k_scale, block_tables, token_request, positions, context_lens, width: int):
+    """V3.2 indexer scores over the paged key cache (kernels/dsa.py): q [N, H, D], w [N, H] -> [N, width]."""
+    args = (q, w, k_cache, k_scale, block_tables, token_request, positions, context_lens, width)
+    return _dsa().index_scores_triton(*args) if use_triton(q) else _ref_dsa.index_scores(*args)
+
+
+def sparse_mla(q_lat, q_pe, ckv, kpe, block_tables, token_request, indices, scale: float, backend: str | None = None):
+    """MLA over the selected keys only (kernels/dsa.py) -> [N, h, R]. `backend` as the dense attention's
+    (AttentionBatch.attention_backend, else attention_backend()): 'reference' is PyTorch, any other Triton."""
+    args = (q_lat, q_pe, ckv, kpe, block_tables, token_request, indices, scale)
+    if (backend or attention_backend(q_lat, q_pe, ckv)) == "reference":
+        return _ref_dsa.sparse_mla(*args)
+    return _dsa().sparse_mla_triton(*args)
 
 
 def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):

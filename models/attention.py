@@ -25,7 +25,8 @@ from torch import nn
 
 from kernels import dispatch
 from models.config import ModelConfig
-from models.kv_cache import AttentionBatch
+from models.indexer import Indexer
+from models.kv_cache import AttentionBatch, LayerKV
 from models.layers import (ColumnParallelLinear, ReplicatedLinear, RMSNorm, RotaryEmbedding,
                            RowParallelLinear)
 from models.parallel import ParallelState, SINGLE
@@ -49,13 +50,19 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(R, cfg.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(R, H * (self.nope + self.v_dim), ps)
         self.o_proj = RowParallelLinear(H * self.v_dim, D, ps)
+        self.indexer = Indexer(cfg, rotary, ps) if cfg.sparse_attention else None    # V3.2: DSA
 
-    def forward(self, x: torch.Tensor, batch: AttentionBatch | None, ckv=None, kpe=None):
-        # x: [N, D]; ckv: [blocks, block_size, R] and kpe: [blocks, block_size, P] of this layer
+    def forward(self, x: torch.Tensor, batch: AttentionBatch | None, kv: LayerKV | None = None):
+        # x: [N, D]; kv: this layer's cache (ckv [blocks, block_size, R], kpe [blocks, block_size, P], ...)
         if batch is None:
             return self.forward_causal(x)
         N, h = x.shape[0], self.heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        ckv, kpe = kv.ckv, kv.kpe
+        if hasattr(self, "q_a_proj"):
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))                         # [N, q_lora]
+            q = self.q_b_proj(q_latent)
+        else:
+            q = self.q_proj(x)
         q_nope, q_pe = q.view(N, h, -1).split([self.nope, self.rope_dim], -1)   # [N, h, nope], [N, h, P]
         q_pe = self.rotary(q_pe, batch.positions)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], -1)
@@ -67,7 +74,12 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]                          # [h, nope, R], [h, v, R]
         q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)                        # [N, h, R]
-        out_lat = paged_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)       # [N, h, R]
+        picks = self.indexer(x, q_latent, batch, kv) if self.indexer is not None else None   # [N, topk] | None
+        if picks is None:
+            out_lat = paged_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)   # [N, h, R]
+        else:                                                                     # only the selected keys
+            out_lat = dispatch.sparse_mla(q_lat, q_pe, ckv, kpe, batch.block_tables, batch.token_request,
+                                          picks, self.scale, batch.attention_backend)
         out = torch.einsum("nhr,hvr->nhv", out_lat, w_uv).reshape(N, h * self.v_dim)
         return self.o_proj(out)
 
@@ -75,7 +87,8 @@ class MLAttention(nn.Module):
         """Training / scoring path without a cache: x [B, T, D] -> [B, T, D], expanded K/V, causal."""
         B, T, _ = x.shape
         h, pos = self.heads, torch.arange(T, device=x.device)
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        q_latent = self.q_a_layernorm(self.q_a_proj(x)) if hasattr(self, "q_a_proj") else None
+        q = self.q_b_proj(q_latent) if q_latent is not None else self.q_proj(x)
         q_nope, q_pe = q.view(B, T, h, -1).split([self.nope, self.rope_dim], -1)
         q_pe = self.rotary(q_pe.reshape(B * T, h, -1), pos.repeat(B)).view(B, T, h, -1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], -1)
@@ -83,8 +96,10 @@ class MLAttention(nn.Module):
         k_nope, v = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, h, -1).split([self.nope, self.v_dim], -1)
         q = torch.cat([q_nope, q_pe], -1).transpose(1, 2)                    # [B, h, T, qk]
         k = torch.cat([k_nope, k_pe], -1).transpose(1, 2)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True,
-                                                               scale=self.scale)
+        mask = self.indexer.causal_mask(x, q_latent) if self.indexer is not None else None   # [B, T, T] | None
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v.transpose(1, 2), is_causal=mask is None, attn_mask=None if mask is None else mask[:, None],
+            scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, h * self.v_dim))
 
 

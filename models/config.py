@@ -29,6 +29,9 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+V32_INDEXER_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -62,7 +65,7 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
     torch_dtype: str = "bfloat16"
-    # DeepSeek-V3.2 lightning indexer (read and kept; attention here is dense over the window).
+    # DeepSeek-V3.2 sparse attention (DSA): the lightning indexer of every layer (models/indexer.py)
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
@@ -78,6 +81,11 @@ class ModelConfig:
             m = yarn_get_mscale(self.rope.factor, self.rope.mscale_all_dim)
             scale *= m * m
         return scale
+
+    @property
+    def sparse_attention(self) -> bool:
+        """DeepSeek-V3.2: each query attends only the index_topk keys its layer's indexer selects."""
+        return self.index_topk is not None
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
@@ -95,6 +103,9 @@ class ModelConfig:
             kw.setdefault(k, 1)
         if kw.get("n_routed_experts"):
             kw.setdefault("num_experts_per_tok", 1)
+        if raw.get("model_type") == "deepseek_v32" or "DeepseekV32ForCausalLM" in (raw.get("architectures") or []):
+            for k, v in V32_INDEXER_DEFAULTS.items():        # transformers' DeepseekV32Config defaults
+                kw.setdefault(k, v)
         eos = raw.get("eos_token_id", 1)
         kw["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         kw["rope"] = _rope_from_dict(raw)
@@ -142,6 +153,14 @@ class ModelConfig:
                  f"topk_method {self.topk_method!r} is not supported")
         need(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers must be >= 0")
         need(self.rope.kind in ("default", "yarn"), f"rope type {self.rope.kind!r} is not supported")
+        index = (self.index_n_heads, self.index_head_dim, self.index_topk)
+        need(all(v is None for v in index) or all(isinstance(v, int) and v > 0 for v in index),
+             f"index_n_heads, index_head_dim and index_topk must all be set (positive) or all absent, got {index}")
+        if self.sparse_attention:
+            need(bool(self.q_lora_rank), "a sparse-attention (V3.2) model needs q_lora_rank: its indexer reads "
+                                         "the attention's q_a_layernorm(q_a_proj(x))")
+            need(self.qk_rope_head_dim <= self.index_head_dim,
+                 f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be <= index_head_dim ({self.index_head_dim})")
 
 
 def _rope_from_dict(raw: dict) -> RopeConfig:

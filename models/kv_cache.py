@@ -1,4 +1,6 @@
-"""Paged MLA KV cache: per token the compressed latent c_kv [R] and the roped key k_pe [P].
+"""Paged MLA KV cache: per token the compressed latent c_kv [R] and the roped key k_pe [P]; for a
+DeepSeek-V3.2 model also its indexer key [D_idx] (and, in deployed scoring, that key's fp8 scale), in
+the same blocks: one block table, one rollback and one release serve all of them.
 
 Blocks of `block_size` tokens come from one pool shared by all requests. A request owns a block
 table and a length; `extend` appends positions (all-or-nothing), `rollback` drops the last n
@@ -8,8 +10,30 @@ overwrites another request's slots.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+
+INDEX_SCORINGS = ("exact", "deployed")      # kernels/dsa.py: fp32 scores / Hadamard + fp8 keys
+
+
+def index_scoring_for(choice: str, device) -> str:
+    """'auto' -> deployed on CUDA (DeepSeek's fp8 scoring), exact elsewhere; an explicit choice stays."""
+    if choice == "auto":
+        return "deployed" if torch.device(device).type == "cuda" else "exact"
+    if choice not in INDEX_SCORINGS:
+        raise ValueError(f"index scoring must be auto or one of {INDEX_SCORINGS}, got {choice!r}")
+    return choice
+
+
+class LayerKV(NamedTuple):
+    """One layer's cache tensors (views): ckv [blocks, bs, R], kpe [blocks, bs, P]; V3.2 only: index_k
+    [blocks, bs, D_idx] (model dtype, or fp8 e4m3 in deployed scoring), index_scale [blocks, bs] fp32
+    (deployed scoring) or None."""
+    ckv: torch.Tensor
+    kpe: torch.Tensor
+    index_k: torch.Tensor | None = None
+    index_scale: torch.Tensor | None = None
 
 
 class CacheFullError(RuntimeError):
@@ -84,16 +108,30 @@ class AttentionBatch:
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int,
-                 rope_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 rope_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 index_head_dim: int = 0, index_scoring: str = "exact"):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        if index_scoring not in INDEX_SCORINGS:
+            raise ValueError(f"index_scoring must be one of {INDEX_SCORINGS}, got {index_scoring!r}")
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
         # ckv: [layers, blocks, block_size, R]; kpe: [layers, blocks, block_size, P]
         self.ckv = torch.zeros(num_layers, num_blocks, block_size, kv_lora_rank, dtype=dtype, device=device)
         self.kpe = torch.zeros(num_layers, num_blocks, block_size, rope_dim, dtype=dtype, device=device)
+        # V3.2: index_k [layers, blocks, block_size, D_idx]; deployed: fp8 keys + index_scale [layers, blocks, bs]
+        self.index_scoring = index_scoring if index_head_dim else None
+        deployed = self.index_scoring == "deployed"
+        self.index_k = torch.zeros(num_layers, num_blocks, block_size, index_head_dim, device=device,
+                                   dtype=torch.float8_e4m3fn if deployed else dtype) if index_head_dim else None
+        self.index_scale = (torch.zeros(num_layers, num_blocks, block_size, dtype=torch.float32, device=device)
+                            if deployed else None)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
         self._lengths: dict[str, int] = {}
+
+    def layer(self, i: int) -> LayerKV:
+        return LayerKV(self.ckv[i], self.kpe[i], None if self.index_k is None else self.index_k[i],
+                       None if self.index_scale is None else self.index_scale[i])
 
     # --- bookkeeping -------------------------------------------------------------------------
     @property

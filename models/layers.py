@@ -28,20 +28,34 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def shard_param(shape, shard=None, full_shape=None) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (the V3.2 indexer's k_norm), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight, self.bias = shard_param((dim,)), shard_param((dim,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
+
+
+def shard_param(shape, shard=None, full_shape=None, dtype=None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.shard = shard                  # None: replicated; (dim, rank, size): this rank's slice along dim
     p.full_shape = tuple(full_shape or shape)
     return p
 
 
 class ReplicatedLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState = SINGLE):
+    """The full matrix on every rank; `dtype` pins it (the V3.2 indexer's weights_proj stays fp32)."""
+
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState = SINGLE, dtype=None):
         super().__init__()
-        self.weight = shard_param((out_features, in_features))
+        self.weight = shard_param((out_features, in_features), dtype=dtype)
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return F.linear(x.to(self.weight.dtype), self.weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -125,13 +139,14 @@ class RotaryEmbedding(nn.Module):
             self.attention_factor = yarn_get_mscale(r.factor, r.mscale) / yarn_get_mscale(r.factor, r.mscale_all_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [N, H, R] rope part, positions: [N]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, interleave: bool | None = None) -> torch.Tensor:
+        # x: [N, H, R] rope part, positions: [N]; interleave: the layout (default: the config's; the V3.2
+        # indexer always uses the half-split one)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]          # [N, R/2]
         cos = (freqs.cos() * self.attention_factor)[:, None, :]
         sin = (freqs.sin() * self.attention_factor)[:, None, :]
         xf = x.float()
-        if self.interleave:   # DeepSeek layout: pairs (x0, x1), (x2, x3), ...
+        if self.interleave if interleave is None else interleave:   # DeepSeek layout: pairs (x0, x1), (x2, x3), ...
             x1, x2 = xf[..., 0::2], xf[..., 1::2]
             out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
         else:                 # half-split layout: (x_i, x_{i+R/2})

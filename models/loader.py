@@ -29,6 +29,10 @@ class CheckpointError(ValueError):
     """A checkpoint tensor is missing, mis-shaped, or the directory is not a checkpoint."""
 
 
+class MissingTensor(KeyError):
+    """One tensor a parameter needs is not in the checkpoint (load_weights reports all of them at once)."""
+
+
 class Checkpoint:
     """Index of a checkpoint directory: which shard file holds which tensor."""
 
@@ -108,12 +112,21 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> dict:
     ckpt = Checkpoint(path)
     used: set[str] = set()
     params = dict(model.named_parameters())
+    missing = []
     with torch.no_grad():
         for name, p in params.items():
-            t, src = _read_param(ckpt, model.checkpoint_names(name), p)
+            try:
+                t, src = _read_param(ckpt, model.checkpoint_names(name), p)
+            except MissingTensor as e:
+                missing.append(e.args[0])
+                continue
             used.update(src)
             p.copy_(t)
     ckpt.close()
+    if missing:       # all of them, named: a V3.2 config over a checkpoint without indexers lists every one
+        many = f"{len(missing)} tensors the model needs: " if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint {path} is missing {many}" + ", ".join(missing[:12])
+                              + (" ..." if len(missing) > 12 else ""))
     unused = sorted(n for n in ckpt.files if n not in used and model.owns_checkpoint_name(n)
                     and not n.endswith("_scale_inv") and not _other_rank_expert(n, model.cfg.n_routed_experts))
     if unused:
@@ -147,7 +160,7 @@ def _read_param(ckpt: Checkpoint, candidates: list[str], p) -> tuple[torch.Tenso
             _check_shape(fused, (shape[0], 2 * inter, full[1]), shape)
             t = ckpt.read(fused, (e,))[: inter] if kind == "gate_proj" else ckpt.read(fused, (e,))[inter:]
             return t[_shard_index(p.shard, full)], [fused]
-    raise CheckpointError(f"checkpoint is missing tensor {candidates[0]} (expected shape {list(full)})")
+    raise MissingTensor(f"tensor {candidates[0]} (expected shape {list(full)})")
 
 
 def _check_shape(name, expected, actual):

@@ -14,7 +14,7 @@ from torch import nn
 
 from models.attention import MLAttention
 from models.config import ModelConfig
-from models.kv_cache import AttentionBatch, PagedKVCache
+from models.kv_cache import AttentionBatch, LayerKV, PagedKVCache
 from models.layers import (ParallelLMHead, ReplicatedLinear, RMSNorm, RotaryEmbedding,
                            VocabParallelEmbedding)
 from models.moe import DenseMLP, MoE
@@ -39,14 +39,14 @@ class DecoderLayer(nn.Module):
         if self.sequence_parallel:
             self.self_attn.o_proj.reduce = self.mlp.reduce = False
 
-    def forward(self, x, batch: AttentionBatch | None, ckv=None, kpe=None, gather: bool = True):
+    def forward(self, x, batch: AttentionBatch | None, kv: LayerKV | None = None, gather: bool = True):
         # x: [N, D] -> [N, D] (with SP and gather=False: this rank's rows [ceil(N_pad / tp), D])
         if not self.sequence_parallel:
-            x = x + self.self_attn(self.input_layernorm(x), batch, ckv, kpe)
+            x = x + self.self_attn(self.input_layernorm(x), batch, kv)
             return x + self.mlp(self.post_attention_layernorm(x))
         g, tp = self.ps.tp_group, self.ps.tp_size
         n = x.shape[0]
-        attn = self.self_attn(self.input_layernorm(x), batch, ckv, kpe)            # [N, D] partial sums
+        attn = self.self_attn(self.input_layernorm(x), batch, kv)                  # [N, D] partial sums
         h = shard_rows(pad_rows(x, tp), self.ps) + reduce_scatter_rows(pad_rows(attn, tp), g, tp)  # [S, D]
         normed = all_gather_rows(self.post_attention_layernorm(h), g, tp)          # [N_pad, D]
         h = h + reduce_scatter_rows(self.mlp(normed), g, tp)                         # [S, D]
@@ -65,7 +65,7 @@ class DeepseekV3Model(nn.Module):
         # input_ids: [N] -> final-norm hidden [N, D]; without batch/cache: [B, T] -> [B, T, D], causal
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, *((cache.ckv[i], cache.kpe[i]) if cache is not None else (None, None)))
+            x = layer(x, batch, cache.layer(i) if cache is not None else None)
         return self.norm(x)
 
 
@@ -112,10 +112,10 @@ class MTPLayer(DecoderLayer):
         self.shared_head.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.skip_sp_gather = "skip_sp_gather" in FAULTS
 
-    def forward(self, embeds, hidden, batch, ckv, kpe):
+    def forward(self, embeds, hidden, batch, kv: LayerKV | None):
         # embeds: [N, D] embedding of token i+1, hidden: [N, D] hidden of position i -> [N, D]
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], -1))
-        return self.shared_head.norm(super().forward(x, batch, ckv, kpe, gather=not self.skip_sp_gather))
+        return self.shared_head.norm(super().forward(x, batch, kv, gather=not self.skip_sp_gather))
 
 
 class DraftModel(nn.Module):
@@ -140,8 +140,7 @@ class DraftModel(nn.Module):
         # input_ids: [N] tokens i+1, hidden: [N, D] -> normed MTP hidden [N, D]; layer = step % layers
         # (without batch/cache: [B, T] and [B, T, D], causal, for training)
         i = step % len(self.mtp)
-        kv = (cache.ckv[i], cache.kpe[i]) if cache is not None else (None, None)
-        return self.mtp[i](self.embed_tokens(input_ids), hidden, batch, *kv)
+        return self.mtp[i](self.embed_tokens(input_ids), hidden, batch, cache.layer(i) if cache is not None else None)
 
     def compute_logits(self, hidden):
         return self.lm_head(hidden)

@@ -9,10 +9,13 @@ import torch
 from models.kv_cache import PagedKVCache
 
 
-def new_cache(model, num_blocks: int = 256, block_size: int = 16) -> PagedKVCache:
+def new_cache(model, num_blocks: int = 256, block_size: int = 16, index_scoring: str = "exact") -> PagedKVCache:
+    """The paged cache a model needs, in its dtype and on its device (V3.2: with the indexer keys, scored
+    `index_scoring`: exact | deployed)."""
     cfg, p = model.cfg, next(model.parameters())
-    return PagedKVCache(model.num_cache_layers, num_blocks, block_size, cfg.kv_lora_rank,
-                        cfg.qk_rope_head_dim, dtype=p.dtype, device=p.device)
+    return PagedKVCache(model.num_cache_layers, num_blocks, block_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                        dtype=p.dtype, device=p.device, index_head_dim=cfg.index_head_dim or 0,
+                        index_scoring=index_scoring)
 
 
 @torch.inference_mode()

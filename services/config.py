@@ -13,6 +13,9 @@ FLAG_HELP = {
     "random_config": "serve a random-weight preset of models/presets.py (v2-lite, v2-lite-yarn, tiny) built "
                      "on the device, instead of --model; no tokenizer: clients send token ids",
     "seed": "seed of the --random-config weights (target and draft must use the same one)",
+    "index_scoring": "DeepSeek-V3.2 sparse attention: how the indexer scores keys; exact (fp32 scores, as "
+                     "transformers), deployed (Hadamard + fp8 e4m3 keys, as DeepSeek's kernels) or auto "
+                     "(deployed on CUDA, exact on CPU). Ignored for models without an indexer",
     "synthetic_acceptance": "BENCHMARK ONLY, changes the output: the target accepts each draft token with "
                             "probability P (stopping at the first rejection) instead of checking it, after the "
                             "real forward pass; greedy requests only. < 0: off (default)",
@@ -52,6 +55,7 @@ class ServiceConfig:
     synthetic_acceptance: float = -1.0   # BENCHMARK ONLY (target): accept each draft with this probability
     enforce_eager: bool = False      # cuda: no CUDA graphs (they are used where tp = 1, models/cuda_graphs.py)
     cuda_graph_max_batch: int = 64   # cuda: graphs for batches up to this are captured at start (larger: lazily)
+    index_scoring: str = "auto"      # V3.2 indexer: auto | exact | deployed (models/kv_cache.index_scoring_for)
 
     @property
     def rank_device(self) -> str:
@@ -81,6 +85,8 @@ class ServiceConfig:
         need(not self.device.startswith("cuda") or torch.cuda.is_available(), "--device cuda but CUDA is not available")
         need(self.bridge_backend not in ("nccl", "ipc") or self.device.startswith("cuda"),
              f"--hidden-transport {self.hidden_transport} needs --device cuda")
+        need(self.index_scoring in ("auto", "exact", "deployed"),
+             f"--index-scoring must be auto|exact|deployed, got {self.index_scoring!r}")
         need(self.bridge_ipc_mib > 0, f"--bridge-ipc-mib must be > 0, got {self.bridge_ipc_mib}")
         need(self.num_blocks > 0 and self.block_size > 0, "--num-blocks and --block-size must be > 0")
         need(":" in self.bridge_addr, f"--bridge-addr must be host:port, got {self.bridge_addr!r}")

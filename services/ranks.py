@@ -135,7 +135,8 @@ def service_info(cfg: ServiceConfig, engine, running: int):
         eos_token_ids=list(mc.eos_token_ids), max_model_len=engine.max_model_len,
         kv_blocks_total=engine.cache.num_blocks - reserved, kv_blocks_free=engine.cache.num_free_blocks,
         running_requests=running, contract_version=CONTRACT_VERSION,
-        num_nextn_predict_layers=mc.num_nextn_predict_layers, model_identity=model_identity(cfg.model))
+        num_nextn_predict_layers=mc.num_nextn_predict_layers, model_identity=model_identity(cfg.model),
+        index_topk=mc.index_topk or 0, index_scoring=engine.cache.index_scoring or "")
 
 
 def hello(cfg: ServiceConfig) -> dict:
@@ -170,8 +171,9 @@ class ServicerBase:
 def run_service(role: str, argv: list[str], description: str, model_cls, engine_cls, make_servicer,
                 add_servicer, service_name: str) -> int:
     """Start one target or draft process: rank 0 serves gRPC, the others replay its engine calls."""
-    from models.kv_cache import PagedKVCache
+    from models.kv_cache import index_scoring_for
     from models.presets import load_any
+    from models.runner import new_cache
     from services.bridge.channel import RowChannel
     from services.config import parse, setup_torch
     from tandem import grpc_server
@@ -185,8 +187,10 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
         except ValueError as e:                    # layout errors: heads/experts not divisible, ...
             raise SystemExit(f"tandem {role}: {e}") from None
         mc = model.cfg
-        cache = PagedKVCache(model.num_cache_layers, cfg.num_blocks, cfg.block_size, mc.kv_lora_rank,
-                             mc.qk_rope_head_dim, cfg.torch_dtype, cfg.rank_device)
+        cache = new_cache(model, cfg.num_blocks, cfg.block_size, index_scoring_for(cfg.index_scoring, cfg.device))
+        if mc.sparse_attention:
+            log.info("%s: DeepSeek sparse attention: index_topk %d, %d index heads of %d, %s scoring", role,
+                     mc.index_topk, mc.index_n_heads, mc.index_head_dim, cache.index_scoring)
         max_len = min(cfg.max_model_len, mc.max_position_embeddings)
         engine = engine_cls(model, cache, max_len)
         if cfg.device.startswith("cuda") and cfg.tp == 1 and not cfg.enforce_eager:

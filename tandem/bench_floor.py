@@ -130,7 +130,8 @@ def table(rows: list[dict], bw: float) -> str:
 
 
 def main(argv=None) -> int:
-    from models.kv_cache import PagedKVCache
+    from models.kv_cache import index_scoring_for
+    from models.runner import new_cache
     from models.model import TargetModel
     from models.presets import load_any, random_model_id
     from services.config import DTYPES
@@ -161,8 +162,7 @@ def main(argv=None) -> int:
     model = load_any(TargetModel, model_id, dtype=dtype, device=device)
     batches, ks = [int(x) for x in a.batches.split(",")], [int(x) for x in a.ks.split(",")]
     blocks = max(batches) * -(-(a.prompt_tokens + (a.warmup + a.iters) * (max(ks) + 1) + 16) // 16) + 8
-    cache = PagedKVCache(model.num_cache_layers, blocks, 16, model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim,
-                         dtype, device)
+    cache = new_cache(model, blocks, 16, index_scoring_for("auto", device))
     engine = TargetEngine(model, cache, model.cfg.max_position_embeddings)
     if device.startswith("cuda") and not a.enforce_eager:        # time the step as the target serves it
         from models import cuda_graphs

@@ -29,8 +29,9 @@ def service_devices(device: str) -> tuple[str, str]:
 
 def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_blocks: int = 2048,
                  synthetic_acceptance: float | None = None, eager: bool = False) -> tuple[TargetEngine, DraftEngine]:
-    from models.kv_cache import PagedKVCache
+    from models.kv_cache import index_scoring_for
     from models.model import DraftModel, TargetModel
+    from models.runner import new_cache
     from models.presets import load_any
     from services.config import DTYPES
     dt = DTYPES[dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
@@ -38,7 +39,7 @@ def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_
     engines = []
     for cls, dev, engine_cls in ((TargetModel, t_dev, TargetEngine), (DraftModel, d_dev, DraftEngine)):
         m = load_any(cls, model, dtype=dt, device=dev)
-        cache = PagedKVCache(m.num_cache_layers, num_blocks, 16, m.cfg.kv_lora_rank, m.cfg.qk_rope_head_dim, dt, dev)
+        cache = new_cache(m, num_blocks, 16, index_scoring_for("auto", dev))
         engines.append(engine_cls(m, cache, min(4096, m.cfg.max_position_embeddings)))
         if dev.startswith("cuda") and not eager:                 # as the services run it
             from models import cuda_graphs

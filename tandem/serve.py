@@ -77,6 +77,9 @@ def parse(argv):
                    "v2-lite-yarn, tiny) built on the device instead of --model; no tokenizer: send token ids")
     p.add_argument("--seed", type=int, default=0, help="seed of the --random-config weights")
     p.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs in target and draft")
+    p.add_argument("--index-scoring", default="auto", choices=["auto", "exact", "deployed"],
+                   help="DeepSeek-V3.2 sparse attention in target and draft: exact (fp32 scores, as transformers), "
+                   "deployed (Hadamard + fp8 keys, as DeepSeek's kernels), auto: deployed on cuda, exact on cpu")
     p.add_argument("--bridge-ipc-mib", type=int, default=256, help="target: the CUDA IPC ring of the hidden-row "
                    "bridge (8 slots; a larger transfer goes inline)")
     p.add_argument("--synthetic-acceptance", type=float, default=-1.0, help="BENCHMARK ONLY, changes the output: "
@@ -121,7 +124,7 @@ def commands(a) -> list[tuple[str, list[str], str]]:
     t_dev, d_dev = placement(a)
     transport = a.hidden_transport    # auto: target and draft settle it from both devices (services/bridge)
     model = ["--random-config", a.random_config, "--seed", str(a.seed)] if a.random_config else ["--model", a.model]
-    common = model + ["--dtype", a.dtype, "--hidden-transport", transport,
+    common = model + ["--dtype", a.dtype, "--hidden-transport", transport, "--index-scoring", a.index_scoring,
                       "--bridge-addr", f"127.0.0.1:{a.bridge_port}", "--num-blocks", str(a.num_blocks)]
     if a.otlp_endpoint:
         common += ["--otlp-endpoint", a.otlp_endpoint]

@@ -1,0 +1,170 @@
+"""DeepSeek-V3.2 sparse attention in the model package (CPU): parity with transformers' DeepseekV32ForCausalLM,
+dense attention failing the same comparison, chunked prefill and verify selecting what a whole prefill
+selects, rollback of rejected drafts, lossless speculation in both scoring modes, deployed (fp8) scoring
+picking the exact mode's keys, and the loader refusing a V3.2 config without indexer tensors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import rel_err
+from dsa_checkpoint import hf_greedy, make_v32_checkpoint
+from kernels import dsa
+from models.config import ConfigError, ModelConfig
+from models.indexer import Indexer
+from models.loader import CheckpointError, load_model, load_weights
+from models.model import DraftModel, TargetModel
+from models.runner import forward_tokens, greedy_generate, new_cache
+from services.draft.engine import DraftEngine
+from services.target.engine import TargetEngine
+from test_engines import speculate
+
+TOL = 1e-4
+PROMPTS = [[(7 * i + 3 * s) % 500 + 3 for i in range(n)] for s, n in ((1, 30), (2, 17), (3, 41))]
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    path, hf = make_v32_checkpoint(tmp_path_factory.mktemp("v32") / "ckpt", seed=0)
+    return path, hf, load_model(TargetModel, path), load_model(DraftModel, path)
+
+
+def set_sparse(model, on: bool) -> None:
+    for m in model.modules():
+        if isinstance(m, Indexer):
+            m.enabled = on
+
+
+def picks_of(model, run) -> list[torch.Tensor]:
+    """The indexer selections (one [N, k] per layer call) made while `run()` runs."""
+    got = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: got.append(out)) for m in model.modules()
+             if isinstance(m, Indexer)]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
+
+
+def test_config_and_every_tensor_used(v32):
+    path, hf, target, draft = v32
+    cfg = target.cfg
+    assert cfg.sparse_attention and (cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == (8, 8, 32)
+    assert load_weights(target, path)["unused"] == [] and load_weights(draft, path)["unused"] == []
+    assert target.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
+    assert draft.mtp[0].self_attn.indexer is not None                    # the MTP layer has its own indexer
+    raw = json.loads((path / "config.json").read_text())
+    del raw["index_topk"]                                                # a V3.2 config: transformers' defaults
+    assert ModelConfig.from_dict(raw).index_topk == 2048
+    with pytest.raises(ConfigError, match="index_n_heads, index_head_dim and index_topk"):
+        ModelConfig.from_dict({**raw, "model_type": "deepseek_v3", "architectures": [], "index_topk": None})
+    with pytest.raises(ConfigError, match="needs q_lora_rank"):
+        ModelConfig.from_dict({**raw, "q_lora_rank": None})
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: f"len{len(p)}")
+def test_prefill_and_decode_match_transformers(v32, prompt):
+    _, hf, target, _ = v32
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    whole = target.compute_logits(forward_tokens(target, new_cache(target), {"r": prompt}))
+    assert rel_err(whole, ref) <= TOL
+    cache = new_cache(target, block_size=4)                               # decode crosses many small blocks
+    rows = [forward_tokens(target, cache, {"r": prompt[:5]})] + [forward_tokens(target, cache, {"r": [t]})
+                                                                  for t in prompt[5:]]
+    assert rel_err(target.compute_logits(torch.cat(rows)), ref) <= TOL
+
+
+def test_greedy_equals_transformers_and_dense_does_not(v32):
+    _, hf, target, _ = v32
+    refs = [hf_greedy(hf, p, 16) for p in PROMPTS]
+    assert [greedy_generate(target, p, 16) for p in PROMPTS] == refs
+    set_sparse(target, False)
+    try:
+        dense = [greedy_generate(target, p, 16) for p in PROMPTS]
+    finally:
+        set_sparse(target, True)
+    assert dense != refs, "dense attention gave transformers' V3.2 output: the comparison cannot fail"
+
+
+def test_chunked_prefill_and_verify_select_what_a_whole_prefill_selects(v32):
+    """Query j of a verify (or of a later chunk) scores every key up to its own position: the picks and
+    hidden rows equal a one-step prefill of the same tokens, in each of the three layers."""
+    _, _, target, _ = v32
+    seq = PROMPTS[2]
+    cache = new_cache(target, block_size=4)
+    whole, chunks = [], []
+    whole_picks = picks_of(target, lambda: whole.append(forward_tokens(target, cache, {"w": seq})))
+    chunk_picks = [picks_of(target, lambda lo=lo, hi=hi: chunks.append(forward_tokens(target, cache, {"c": seq[lo:hi]})))
+                   for lo, hi in ((0, 11), (11, 12), (12, 16), (16, 41))]   # prefill, decode, verify of K=3, rest
+    torch.testing.assert_close(torch.cat(chunks), whole[0], rtol=1e-5, atol=1e-5)
+    assert len(whole_picks) == 3 and all(len(p) == 3 for p in chunk_picks)
+    for layer in range(3):
+        joined = torch.cat([p[layer] for p in chunk_picks])                   # [41, 8]
+        assert joined.shape == whole_picks[layer].shape == (len(seq), 8)
+        for row in range(len(seq)):
+            assert set(joined[row].tolist()) == set(whole_picks[layer][row].tolist()), (layer, row)
+            assert max(joined[row].tolist()) <= row                           # causal: never a later key
+
+
+def test_rejected_drafts_roll_back_keys_and_speculation_is_lossless(v32):
+    path, _, target, draft = v32
+    for scoring in ("exact", "deployed"):
+        te = TargetEngine(target, new_cache(target, 256, index_scoring=scoring), 512)
+        de = DraftEngine(draft, new_cache(draft, 256, index_scoring=scoring), 512)
+        prompts = {f"r{i}": p for i, p in enumerate(PROMPTS)}
+        out, te, de = speculate(te, de, prompts, 3, 20)
+        want = {r: greedy_generate(target, p, 20, cache=new_cache(target, index_scoring=scoring))
+                for r, p in prompts.items()}
+        assert out == want, scoring
+        te.release(list(prompts))
+        de.release(list(prompts))
+        assert te.cache.num_free_blocks == te.cache.num_blocks and de.cache.num_free_blocks == de.cache.num_blocks
+
+
+def test_deployed_scoring_picks_the_exact_keys():
+    """4k keys of one request, 64 heads of 128 as DeepSeek-V3.2, i.i.d. Gaussian q, k and head weights (the
+    hardest case: top 2048 of 4096 cuts at the median, where scores are densest). The fp8 selection
+    (Hadamard, power-of-two scales) overlaps the fp32 one by >= 98 % (measured 98.4 %), and every key the
+    two disagree on is a near-tie: its exact score within 0.25 standard deviations of the exact cut."""
+    g = torch.Generator().manual_seed(0)
+    T, H, D, topk, bs = 4096, 64, 128, 2048, 64
+    k = torch.randn(T, D, generator=g)
+    q = torch.randn(4, H, D, generator=g)
+    w = torch.randn(4, H, generator=g) * H ** -0.5 * D ** -0.5
+    tables = torch.arange(T // bs, dtype=torch.int32)[None]
+    req, pos, ctx = torch.zeros(4, dtype=torch.int32), torch.arange(T - 4, T), torch.tensor([T], dtype=torch.int32)
+    scores = dsa.index_scores(q, w, k.view(-1, bs, D), None, tables, req, pos, ctx, T)
+    exact = dsa.topk_indices(scores, topk)
+    (qq, qs), (kq, ks) = dsa.quantize_pow2(dsa.rotate(q)), dsa.quantize_pow2(dsa.rotate(k))
+    assert kq.dtype == torch.float8_e4m3fn and torch.equal(ks, torch.exp2(torch.log2(ks).round()))   # 2^n scales
+    dep = dsa.topk_indices(dsa.index_scores(qq, w * qs, kq.view(-1, bs, D), ks.view(-1, bs), tables, req, pos, ctx, T),
+                           topk)
+    overlap, gaps = [], []
+    for n in range(4):
+        a, b = set(exact[n].tolist()), set(dep[n].tolist())
+        overlap.append(len(a & b) / topk)
+        cut, spread = scores[n].topk(topk).values[-1], scores[n][: pos[n] + 1].std()
+        gaps.append(max(abs(scores[n, j] - cut).item() for j in a ^ b) / spread.item())
+    print(f"deployed vs exact, top {topk} of {T} keys: overlap {min(overlap):.4f} .. {max(overlap):.4f}, "
+          f"disagreements within {max(gaps):.3f} std of the cut")
+    assert min(overlap) >= 0.98 and max(gaps) <= 0.25, (overlap, gaps)
+
+
+def test_missing_indexer_tensors_are_named(v32, tmp_path):
+    from safetensors.torch import load_file, save_file
+    path = v32[0]
+    dst = tmp_path / "no-indexer"
+    dst.mkdir()
+    for f in path.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({n: t for n, t in load_file(str(f)).items() if ".indexer." not in n}, str(dst / f.name))
+        else:
+            (dst / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(CheckpointError) as e:
+        load_model(TargetModel, dst)
+    assert "missing 15 tensors" in str(e.value) and "model.layers.0.self_attn.indexer.wq_b.weight" in str(e.value)
