@@ -41,8 +41,27 @@ V2_LITE = dict(
 V2_LITE_YARN = {**V2_LITE, "max_position_embeddings": 163840, "rope_scaling": {
     "type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
     "mscale": 0.707, "mscale_all_dim": 0.707}}
+# DeepSeek-V3.2's own shapes (hidden 7168, MLA with 128 heads and q-LoRA 1536, 256 routed experts of 2048,
+# top-8 in 8 groups, one shared expert, DSA: 64 index heads of 128, top 2048 keys) cut to 3 layers (the
+# first dense) and one MTP layer: 25.5 B target parameters (51 GB in bf16), sized for one H200 with a
+# 32k-token KV cache, so long-context steps are measured at the real layer shapes.
+V32_SLICE = dict(
+    architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=3, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+    num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=1, routed_scaling_factor=2.5,
+    norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=1,
+    rms_norm_eps=1e-6, max_position_embeddings=65536, rope_theta=10000.0, rope_interleave=True,
+    tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16",
+    index_n_heads=64, index_head_dim=128, index_topk=2048,
+)
 TINY = TINY_CONFIG             # CPU tests: models/tiny.py's shapes (dense first layer, 8 experts, q-LoRA, MTP)
-PRESETS: dict[str, dict] = {"v2-lite": V2_LITE, "v2-lite-yarn": V2_LITE_YARN, "tiny": TINY}
+# the same with DSA: 8 index heads of 32, top 16 keys (selection matters from the 17th token on)
+TINY_V32 = {**TINY_CONFIG, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+            "index_n_heads": 8, "index_head_dim": 32, "index_topk": 16}
+PRESETS: dict[str, dict] = {"v2-lite": V2_LITE, "v2-lite-yarn": V2_LITE_YARN, "v32-slice": V32_SLICE,
+                            "tiny": TINY, "tiny-v32": TINY_V32}
 
 
 class PresetError(ValueError):

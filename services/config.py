@@ -10,7 +10,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_PORTS = {"target": 50052, "draft": 50053}
 DEFAULT_DIST_ADDRS = {"target": "127.0.0.1:29660", "draft": "127.0.0.1:29670"}
 FLAG_HELP = {
-    "random_config": "serve a random-weight preset of models/presets.py (v2-lite, v2-lite-yarn, tiny) built "
+    "random_config": "serve a random-weight preset of models/presets.py (v2-lite, v2-lite-yarn, v32-slice, tiny, tiny-v32) built "
                      "on the device, instead of --model; no tokenizer: clients send token ids",
     "seed": "seed of the --random-config weights (target and draft must use the same one)",
     "index_scoring": "DeepSeek-V3.2 sparse attention: how the indexer scores keys; exact (fp32 scores, as "

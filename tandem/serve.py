@@ -74,7 +74,7 @@ def parse(argv):
     p.add_argument("--max-output-tokens", type=int, default=0, help="gateway: largest max_tokens (0: the model's limit)")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="gateway: largest REST body / gRPC message")
     p.add_argument("--random-config", default="", help="serve a random-weight preset (models/presets.py: v2-lite, "
-                   "v2-lite-yarn, tiny) built on the device instead of --model; no tokenizer: send token ids")
+                   "v2-lite-yarn, v32-slice, tiny, tiny-v32) built on the device instead of --model; no tokenizer: send token ids")
     p.add_argument("--seed", type=int, default=0, help="seed of the --random-config weights")
     p.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs in target and draft")
     p.add_argument("--index-scoring", default="auto", choices=["auto", "exact", "deployed"],
