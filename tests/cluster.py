@@ -352,8 +352,10 @@ def serve_module(c: Cluster, request):
     assert not dead, f"cluster processes exited during the tests: {dead}"
 
 
-def make_checkpoint(path: str | Path, seed: int, draft_follows_bigram: bool = True) -> Path:
-    """make_tiny(path, seed); then (by default) re-aim the draft's MTP layer so its drafts get
+def make_checkpoint(path: str | Path, seed: int, draft_follows_bigram: bool = True,
+                    overrides: dict | None = None) -> Path:
+    """make_tiny(path, seed, overrides) (models.presets.TINY_V32: the same with DSA); then (by default)
+    re-aim the draft's MTP layer so its drafts get
     accepted part of the time. The target stays exactly make_tiny's.
 
     Random MTP weights give ~0 acceptance, which leaves every accept/rollback path of a round
@@ -369,7 +371,7 @@ def make_checkpoint(path: str | Path, seed: int, draft_follows_bigram: bool = Tr
     from safetensors.torch import load_file, save_file
 
     from models.tiny import make_tiny
-    out = make_tiny(path, seed=seed)
+    out = make_tiny(path, seed=seed, overrides=overrides)
     if not draft_follows_bigram:
         return out
     mtp = f"model.layers.{json.loads((out / 'config.json').read_text())['num_hidden_layers']}."

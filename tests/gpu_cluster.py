@@ -17,10 +17,10 @@ from tandem.v1 import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc
 
 
 @contextlib.contextmanager
-def serve_cuda(tmp: Path, extra: list[str], device: str = "cuda"):
-    """`tandem serve --device cuda -k 3` of make_checkpoint(seed=5) (fp32) with `extra` flags, until SERVING
-    -> (gateway, target, draft stubs, log path); SIGTERM afterwards, which must exit 0."""
-    model = make_checkpoint(tmp / "ckpt", seed=5)
+def serve_cuda(tmp: Path, extra: list[str], device: str = "cuda", model: Path | None = None):
+    """`tandem serve --device cuda -k 3` of `model` (default make_checkpoint(seed=5)), fp32, with `extra` flags,
+    until SERVING -> (gateway, target, draft stubs, log path); SIGTERM afterwards, which must exit 0."""
+    model = model or make_checkpoint(tmp / "ckpt", seed=5)
     gw, tp, dp, bp, dist, http = free_ports(6)
     log = tmp / "serve.log"
     cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(model), "-k", "3", "--device", device,
