@@ -64,6 +64,11 @@ def rel(ours, ref) -> float:
     return ((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
 
 
+# fp8 x fp8 dots: exact products in the interpreter; Hopper's fp8 tensor cores accumulate with fewer bits
+# than fp32 (the DeepSeek-V3 report's reason to promote partial sums), seen here as ~1e-4 relative
+FP8_TOL = {"cpu": 1e-5, "cuda": 5e-4}
+
+
 def rel_scores(ours, ref) -> float:
     """rel() over the finite scores, after checking that the -inf pattern is the same."""
     assert torch.equal(ours.isneginf().cpu(), ref.isneginf().cpu())
@@ -129,7 +134,7 @@ def test_index_scores_fp8_deployed(dev, launches):
     k8, k_scale = dsa.quantize_pow2(dsa.rotate(k))                        # [blocks, bs, D], [blocks, bs]
     meta = (batch.block_tables, batch.token_request, batch.positions, batch.context_lens, width_of(batch))
     out = index_scores_triton(q8, w * q_scale, k8, k_scale, *meta, block_n=16)
-    assert rel_scores(out, dsa.index_scores(q8, w * q_scale, k8, k_scale, *meta)) <= 1e-5
+    assert rel_scores(out, dsa.index_scores(q8, w * q_scale, k8, k_scale, *meta)) <= FP8_TOL[dev]
     assert rel_scores(out, dsa.index_scores(q, w, k, None, *meta)) <= 0.1   # fp8's rounding
     assert dev == "cuda" or launches["_index_kernel"] == 1
 
@@ -254,7 +259,7 @@ def test_dsa_deepseek_shapes_replay_in_cuda_graph():
     scores.zero_()
     out.zero_()
     graph.replay()
-    assert rel_scores(scores, dsa.index_scores(q8, w, k8, ks, *meta, width)) <= 1e-5
+    assert rel_scores(scores, dsa.index_scores(q8, w, k8, ks, *meta, width)) <= FP8_TOL["cuda"]
     ref = dsa.sparse_mla(ql.float(), qp.float(), cache.ckv[0].float(), cache.kpe[0].float(), tables,
                          batch.token_request, dsa.topk_indices(scores, 2048), 0.1)
     assert rel(out, ref) <= 2e-2
