@@ -74,7 +74,8 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]                          # [h, nope, R], [h, v, R]
         q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)                        # [N, h, R]
-        picks = self.indexer(x, q_latent, batch, kv) if self.indexer is not None else None   # [N, topk] | None
+        sparse = self.indexer is not None and self.indexer.enabled
+        picks = self.indexer(x, q_latent, batch, kv) if sparse else None            # [N, topk] | None
         if picks is None:
             out_lat = paged_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)   # [N, h, R]
         else:                                                                     # only the selected keys

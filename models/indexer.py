@@ -34,7 +34,8 @@ class Indexer(nn.Module):
         self.wk = ReplicatedLinear(D, Dk, ps)
         self.k_norm = LayerNorm(Dk)
         self.weights_proj = ReplicatedLinear(D, H, ps, dtype=torch.float32)
-        self.enabled = True       # False: dense attention (the benchmarks' baseline; tests showing DSA matters)
+        self.enabled = True       # False: the attention skips the indexer and reads every key (dense: the
+                                  # benchmarks' baseline; the tests showing that DSA matters)
 
     def project(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor):
         # x: [N, D], q_latent: [N, q_lora], positions: [N] -> q [N, H, Dk], k [N, Dk], w [N, H] fp32
@@ -55,8 +56,6 @@ class Indexer(nn.Module):
             w = w * q_scale
             kv.index_scale.view(-1)[batch.slot_mapping] = k_scale
         kv.index_k.view(-1, self.dim)[batch.slot_mapping] = k.to(kv.index_k.dtype)
-        if not self.enabled:
-            return None
         if batch.host_starts is not None:                               # host layout known (not a graph)
             if max((s + n for s, n in zip(batch.host_starts, batch.query_lens)), default=0) <= self.topk:
                 return None
