@@ -55,7 +55,6 @@ def test_config_and_every_tensor_used(v32):
     cfg = target.cfg
     assert cfg.sparse_attention and (cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == (8, 8, 32)
     assert load_weights(target, path)["unused"] == [] and load_weights(draft, path)["unused"] == []
-    assert target.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
     assert draft.mtp[0].self_attn.indexer is not None                    # the MTP layer has its own indexer
     raw = json.loads((path / "config.json").read_text())
     del raw["index_topk"]                                                # a V3.2 config: transformers' defaults
@@ -153,6 +152,37 @@ def test_deployed_scoring_picks_the_exact_keys():
     print(f"deployed vs exact, top {topk} of {T} keys: overlap {min(overlap):.4f} .. {max(overlap):.4f}, "
           f"disagreements within {max(gaps):.3f} std of the cut")
     assert min(overlap) >= 0.98 and max(gaps) <= 0.25, (overlap, gaps)
+
+
+def test_fp8_v32_checkpoint_loads_and_weights_proj_stays_fp32(v32, tmp_path):
+    """DeepSeek ships V3.2 in fp8 with 128x128 block scales, the indexer's wq_b and wk included, weights_proj
+    in bf16: they load dequantized, and weights_proj is fp32 in a bf16 model."""
+    from safetensors.torch import load_file, save_file
+
+    from models.loader import dequantize_fp8, quantize_fp8
+    path = v32[0]
+    dst = tmp_path / "fp8"
+    dst.mkdir()
+    fp8 = {}
+    for f in path.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+            continue
+        out = {}
+        for n, t in load_file(str(f)).items():
+            if n.endswith(("indexer.wq_b.weight", "indexer.wk.weight", "q_b_proj.weight")):
+                out[n], out[n + "_scale_inv"] = quantize_fp8(t)
+                fp8[n] = dequantize_fp8(out[n], out[n + "_scale_inv"])
+            else:
+                out[n] = t.to(torch.bfloat16) if n.endswith("indexer.weights_proj.weight") else t
+        save_file(out, str(dst / f.name))
+    assert len(fp8) == 4 * 3                                   # 3 target layers + the MTP layer, 3 each
+    model = load_model(TargetModel, dst, dtype=torch.bfloat16)
+    idx = model.model.layers[1].self_attn.indexer
+    assert idx.weights_proj.weight.dtype == torch.float32 and idx.wq_b.weight.dtype == torch.bfloat16
+    assert torch.equal(idx.wq_b.weight, fp8["model.layers.1.self_attn.indexer.wq_b.weight"].to(torch.bfloat16))
+    assert load_weights(model, dst)["unused"] == []
+    assert len(greedy_generate(model, PROMPTS[0], 4)) == 4
 
 
 def test_missing_indexer_tensors_are_named(v32, tmp_path):

@@ -1,7 +1,7 @@
 """DeepSeek-V3.2 served end to end (CPU, real processes): a checkpoint written by transformers'
 DeepseekV32ForCausalLM (+ an MTP layer with its own indexer, index_topk 8) served by target, draft and
-gateway. Greedy output equals transformers' own greedy decoding at K = 0, at K = 3, and at K = 3 with
-`--tp 2 --sequence-parallel` target and a `--tp 2 --sequence-parallel` draft, with identical acceptance
+gateway. Greedy output equals transformers' own greedy decoding at K = 0, at K = 3, and at K = 3 with a
+`--tp 2 --ep 2 --sequence-parallel` target and a `--tp 2 --sequence-parallel` draft, with identical acceptance
 in both layouts; GetInfo reports the sparse attention; and a tp-2 SP draft with
 TANDEM_FAULT=skip_sp_gather on this V3.2 model fails loudly, naming both row counts."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ def v32(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mesh(v32, tmp_path_factory, request):
-    targets = [{"name": "target-tp1"}, {"name": "target-tp2-sp", "args": SP2}]
+    targets = [{"name": "target-tp1"}, {"name": "target-tp2-ep2-sp", "args": SP2 + ["--ep", "2"]}]
     drafts = [{"name": "draft-tp1"}, {"name": "draft-tp2-sp", "args": SP2},
               {"name": "draft-fault", "args": SP2, "env": {"TANDEM_FAULT": "skip_sp_gather"}}]
     gateways = [{"name": "gw-tp1", "target": 0, "draft": 0}, {"name": "gw-tp2-sp", "target": 1, "draft": 1},
@@ -59,7 +59,7 @@ def test_served_greedy_equals_transformers_at_k0_k3_and_tp2_sp(v32, mesh):
         k3_sp, stats_sp = generate(sp, prompt, 3)
         assert k0 == want, f"{name}: K=0 differs from transformers' DeepseekV32"
         assert k3 == want, f"{name}: K=3 differs from transformers' DeepseekV32"
-        assert k3_sp == want, f"{name}: K=3 with --tp 2 --sequence-parallel differs from transformers' DeepseekV32"
+        assert k3_sp == want, f"{name}: K=3 with TP2 / EP2 / SP differs from transformers' DeepseekV32"
         assert stats_sp == stats and stats[0] > 0, f"{name}: acceptance differs across layouts {stats} {stats_sp}"
         accepted += stats[1]
     assert accepted > 0, "no draft was ever accepted: rollback of the indexer keys went untested"
