@@ -14,6 +14,7 @@ COPY models models
 COPY kernels kernels
 COPY services services
 COPY gateway gateway
+COPY infra infra
 RUN pip install -e . \
  && python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/tandem/v1/*.proto \
  && useradd --create-home --uid 1000 tandem

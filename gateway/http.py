@@ -25,7 +25,7 @@ from gateway import openai_api as api
 from gateway.core import UINT64, GenerationError, Gateway, RequestError
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.responses import Choice, CompletionShaper
-from tandem import tracing
+from infra import tracing
 
 log = logging.getLogger("tandem.gateway")
 
@@ -229,7 +229,7 @@ async def read_limited(request: Request, limit: int) -> bytes:
 
 def fastapi_telemetry() -> dict:
     """FastAPI versions with built-in OpenTelemetry: keep its HTTP server span (the parent of a
-    request's span) on the provider tandem.tracing set up; no exporters of its own, no metrics
+    request's span) on the provider infra.tracing set up; no exporters of its own, no metrics
     (Prometheus has them), no per-dependency spans."""
     if "telemetry" not in inspect.signature(FastAPI).parameters:
         return {}

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.scheduler import GenRequest, Observer, SpecStats
-from tandem.v1 import target_pb2
+from tandem.v1 import common_pb2
 
 log = logging.getLogger("tandem.gateway")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -34,7 +34,7 @@ class GatewayMetrics(Observer):
         self.registry = CollectorRegistry()
         self.scheduler = None
         self.services: dict[str, object] = {}               # "target" | "draft" -> stub with GetInfo
-        self.info: dict[str, target_pb2.InfoResponse | str] = {}   # last GetInfo, or the error
+        self.info: dict[str, common_pb2.InfoResponse | str] = {}   # last GetInfo, or the error
         lab = ["model_name"]
         r = self.registry
         self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token", lab,
@@ -84,7 +84,7 @@ class GatewayMetrics(Observer):
         """GetInfo of every service (2 s each, concurrently) -> name -> InfoResponse or error text."""
         async def one(name, stub):
             try:
-                return name, await stub.GetInfo(target_pb2.InfoRequest(), timeout=2)
+                return name, await stub.GetInfo(common_pb2.InfoRequest(), timeout=2)
             except grpc.aio.AioRpcError as e:
                 return name, f"{e.code().name}: {e.details()}"
         self.info = dict(await asyncio.gather(*(one(n, s) for n, s in self.services.items())))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from gateway import openai_api as api
 from gateway.core import GenerationError, Gateway
 from gateway.scheduler import Event, GenRequest
-from tandem import tracing
+from infra import tracing
 
 
 @dataclass

@@ -17,7 +17,7 @@ import logging
 
 import grpc
 
-from tandem.v1 import target_pb2
+from tandem.v1 import common_pb2, target_pb2
 
 log = logging.getLogger("tandem.gateway")
 RESYNC_TOKENS = 8192          # committed tokens per RecomputeRows call (bounds its scratch cache and message)
@@ -39,7 +39,7 @@ def chunks(reqs: list, limit: int = RESYNC_TOKENS) -> list[list]:
 async def resync(s, reqs: list) -> None:
     """Scheduler `s`: make the stale requests `reqs` ready to propose as new requests."""
     try:
-        await s.draft.Release(target_pb2.ReleaseRequest(request_ids=[r.id for r in reqs]), timeout=s.draft_timeout)
+        await s.draft.Release(common_pb2.ReleaseRequest(request_ids=[r.id for r in reqs]), timeout=s.draft_timeout)
     except grpc.aio.AioRpcError as e:
         s.draft_lost(f"draft Release before a re-sync failed ({e.code().name}: {e.details()})")
         return

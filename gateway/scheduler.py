@@ -23,8 +23,8 @@ import grpc
 from gateway.availability import Availability
 from gateway.request import Event, GenRequest, Observer, SpecStats  # noqa: F401 (re-exported)
 from gateway.resync import resync
-from tandem import tracing
-from tandem.v1 import draft_pb2, rows_pb2, target_pb2
+from infra import tracing
+from tandem.v1 import common_pb2, draft_pb2, rows_pb2, target_pb2
 
 log = logging.getLogger("tandem.gateway")
 CONTRACT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
@@ -281,6 +281,6 @@ class Scheduler:
 
     async def _release(self, stub, ids: list[str]) -> None:
         try:
-            await stub.Release(target_pb2.ReleaseRequest(request_ids=ids), timeout=10)
+            await stub.Release(common_pb2.ReleaseRequest(request_ids=ids), timeout=10)
         except grpc.aio.AioRpcError as e:
             log.warning("Release of %s failed: %s", ids, e.code().name)

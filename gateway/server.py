@@ -23,9 +23,9 @@ from gateway.http import HttpServer
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import GenRequest, Scheduler
 from gateway import watch
-from tandem import tls as tls_mod, tracing
-from tandem.grpc_server import channel_options
-from tandem.v1 import draft_pb2_grpc, generate_pb2, generate_pb2_grpc, rows_pb2, target_pb2, target_pb2_grpc
+from infra import tls as tls_mod, tracing
+from infra.grpc_server import channel_options
+from tandem.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, rows_pb2, target_pb2_grpc
 
 log = logging.getLogger("tandem.gateway")
 FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
@@ -55,7 +55,7 @@ class GatewayConfig:
     max_prompt_tokens: int = 0               # per request; 0: the model's limit
     max_output_tokens: int = 0               # the largest max_tokens; 0: the model's limit
     max_request_bytes: int = 4 << 20         # REST body and gRPC message of the public API
-    tls_cert: str = ""                       # TLS on both listeners and to the services (tandem/tls.py)
+    tls_cert: str = ""                       # TLS on both listeners and to the services (infra/tls.py)
     tls_key: str = ""
     tls_ca: str = ""
     max_waiting: int = 256                   # requests queued for a Prefill; beyond: 429 / RESOURCE_EXHAUSTED
@@ -172,7 +172,7 @@ async def wait_ready(channel: grpc.aio.Channel, name: str, timeout_s: float) -> 
         await asyncio.sleep(0.5)
 
 
-def check_same_model(target: target_pb2.InfoResponse, draft: target_pb2.InfoResponse) -> None:
+def check_same_model(target: common_pb2.InfoResponse, draft: common_pb2.InfoResponse) -> None:
     """Refuse to serve unless draft and target run the same model (identity: services/identity.py)
     under the same contract; the error names both sides' values and checkpoints."""
     for field in ("model_identity", "contract_version", "vocab_size", "hidden_size"):
@@ -190,7 +190,7 @@ async def serve(cfg: GatewayConfig) -> None:
                                 interceptors=tracing.client_interceptors())
     await wait_ready(tchan, f"target at {cfg.target_addr}", cfg.connect_timeout_s)
     target = target_pb2_grpc.TargetServiceStub(tchan)
-    info = await target.GetInfo(target_pb2.InfoRequest(), timeout=10)
+    info = await target.GetInfo(common_pb2.InfoRequest(), timeout=10)
     services = {"target": target}
     draft = None
     if cfg.num_speculative_tokens > 0:
@@ -198,7 +198,7 @@ async def serve(cfg: GatewayConfig) -> None:
                                     interceptors=tracing.client_interceptors())
         await wait_ready(dchan, f"draft at {cfg.draft_addr}", cfg.connect_timeout_s)
         draft = services["draft"] = draft_pb2_grpc.DraftServiceStub(dchan)
-        dinfo = await draft.GetInfo(target_pb2.InfoRequest(), timeout=10)
+        dinfo = await draft.GetInfo(common_pb2.InfoRequest(), timeout=10)
         check_same_model(info, dinfo)
     metrics = GatewayMetrics(cfg.model_name)
     scheduler = Scheduler(target, draft, set(info.eos_token_ids), cfg.max_batch, cfg.rpc_timeout_s,
@@ -243,7 +243,7 @@ async def serve(cfg: GatewayConfig) -> None:
 
 
 def parse(argv) -> GatewayConfig:
-    from tandem.cli import default_model
+    from infra.paths import default_model_dir
     p = argparse.ArgumentParser(prog="tandem gateway", description=__doc__)
     p.add_argument("--model", default=None, help="checkpoint dir (for its tokenizer)")
     p.add_argument("--target-addr", default="127.0.0.1:50052")
@@ -282,7 +282,7 @@ def parse(argv) -> GatewayConfig:
     a = p.parse_args(argv)
     if a.model and a.random_config:      # as on target and draft: one model, named one way
         p.error(f"--model ({a.model}) and --random-config ({a.random_config}) exclude each other")
-    model = a.model or (f"random:{a.random_config}" if a.random_config else default_model())
+    model = a.model or (f"random:{a.random_config}" if a.random_config else default_model_dir())
     return GatewayConfig(**{**vars(a), "model": str(model)}).validate()
 
 

@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.v1 import target_pb2
+from tandem.v1 import common_pb2
 
 log = logging.getLogger("tandem.gateway")
 WATCH_INTERVAL_S = 0.5
@@ -28,7 +28,7 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reco
 LOAD_FIELDS = {"kv_blocks_total", "kv_blocks_free", "running_requests"}     # may differ after a restart
 
 
-def info_changes(before: target_pb2.InfoResponse, now: target_pb2.InfoResponse) -> list[str]:
+def info_changes(before: common_pb2.InfoResponse, now: common_pb2.InfoResponse) -> list[str]:
     """The fields of two GetInfo answers that differ, other than the load-dependent ones."""
     a, b = (MessageToDict(m, preserving_proto_field_name=True) for m in (before, now))
     return [f"{k}: was {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
@@ -39,7 +39,7 @@ class ServiceWatch:
     """Polls one service. `is_down()`: whether the gateway holds it for down now (set by this watch
     or by a failed call); `on_down(reason)` / `on_up()`: report what a check found."""
 
-    def __init__(self, name: str, channel: grpc.aio.Channel, stub, info: target_pb2.InfoResponse,
+    def __init__(self, name: str, channel: grpc.aio.Channel, stub, info: common_pb2.InfoResponse,
                  is_down, on_down, on_up, interval_s: float = WATCH_INTERVAL_S):
         self.name, self.stub, self.info = name, stub, info
         self.health = health_pb2_grpc.HealthStub(channel)
@@ -76,7 +76,7 @@ class ServiceWatch:
     async def _changed(self) -> list[str] | None:
         """None: the same model as at start; a list of differences; [] when GetInfo failed (retry)."""
         try:
-            now = await self.stub.GetInfo(target_pb2.InfoRequest(), timeout=CHECK_TIMEOUT_S)
+            now = await self.stub.GetInfo(common_pb2.InfoRequest(), timeout=CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             return []
         changes = info_changes(self.info, now)

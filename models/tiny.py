@@ -61,6 +61,15 @@ def _sample_texts() -> list[str]:
     return [p.read_text(errors="ignore") for p in sorted(root.glob("*.py"))[:40]]
 
 
+def default_model() -> Path:
+    """The bundled trained model when present, else the seeded random tiny model, made here once."""
+    from infra.paths import default_model_dir
+    path = default_model_dir()
+    if not (path / "config.json").exists():
+        make_tiny(path)
+    return path
+
+
 def make_tiny(out_dir: str | Path, seed: int = 0, overrides: dict | None = None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

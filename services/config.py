@@ -44,7 +44,7 @@ class ServiceConfig:
     dist_addr: str = ""              # rendezvous of the rank group (default: per role)
     rank: int = 0                    # set by rank 0 when it starts the others
     otlp_endpoint: str = ""          # OTLP/gRPC trace export (default: OTEL_EXPORTER_OTLP_ENDPOINT; none: off)
-    tls_cert: str = ""               # TLS (tandem/tls.py): this server's certificate chain and key
+    tls_cert: str = ""               # TLS (infra/tls.py): this server's certificate chain and key
     tls_key: str = ""
     tls_ca: str = ""                 # with a CA: clients must present a certificate it signed (mutual TLS)
     max_message_bytes: int = 256 << 20   # largest gRPC message received or sent (inline rows included)
@@ -101,12 +101,12 @@ class ServiceConfig:
 
     @property
     def tls(self):
-        from tandem.tls import TlsFiles
+        from infra.tls import TlsFiles
         return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
 
 def parse(role: str, argv, description: str) -> ServiceConfig:
-    from tandem.cli import default_model
+    from models.tiny import default_model
     p = argparse.ArgumentParser(prog=f"tandem {role}", description=description)
     flags = {"port": "--grpc-port"}
     for f in fields(ServiceConfig):

@@ -8,23 +8,24 @@ cache bookkeeping stays identical. Workers exit when rank 0 goes away.
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import os
 import subprocess
 import sys
 import threading
 from datetime import timedelta
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from infra.errors import ServiceError
 from models.parallel import ParallelState
-from services.bridge.rows import ServiceError
 from services.config import ServiceConfig
-from services.identity import model_identity
+from services.rendezvous import tcp_store
 
 log = logging.getLogger("tandem.ranks")
+R = TypeVar("R")
 
 
 def start_workers(role: str, argv: list[str], cfg: ServiceConfig) -> list[subprocess.Popen]:
@@ -37,7 +38,6 @@ def init_group(cfg: ServiceConfig) -> ParallelState:
     if cfg.tp == 1:
         return ParallelState(ep_size=cfg.ep)
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-    from services.bridge.channel import tcp_store        # rank 0's store listens on the dist host only
     host, port = cfg.dist_addr.rsplit(":", 1)
     store = tcp_store(host, int(port), cfg.tp, cfg.rank == 0, timedelta(seconds=600))
     dist.init_process_group(backend, store=store, rank=cfg.rank, world_size=cfg.tp, timeout=timedelta(seconds=600))
@@ -54,8 +54,9 @@ class RankGroup:
         self.engine, self.ps = engine, ps
         self.broken: str | None = None
 
-    def call(self, method: str, *args):
-        """Rank 0: run engine.method(*args) on every rank; return rank 0's result.
+    def call(self, method: Callable[..., R], *args) -> R:
+        """Rank 0: run method(engine, *args) on every rank (method: an engine method, e.g.
+        TargetEngine.verify, sent to the other ranks by its qualified name); return rank 0's result.
 
         With tp > 1 any error other than a ServiceError (a rank died: gloo/NCCL raise at the next
         collective; or a bug, after which the ranks' caches differ) leaves the group unusable: this
@@ -65,11 +66,11 @@ class RankGroup:
             raise ServiceError("UNAVAILABLE", self.broken)
         if self.ps.tp_size == 1:
             with on_device(self.engine.cache.device):
-                return getattr(self.engine, method)(*args)
+                return method(self.engine, *args)
         try:
             dist.broadcast_object_list([(method, _cpu(args))], src=0)
             with on_device(self.engine.cache.device):
-                return getattr(self.engine, method)(*args)
+                return method(self.engine, *args)
         except ServiceError:
             raise
         except Exception as e:
@@ -95,7 +96,7 @@ class RankGroup:
             method, args = msg[0]
             try:
                 with on_device(self.engine.cache.device):
-                    getattr(self.engine, method)(*args)
+                    method(self.engine, *args)
             except ServiceError:
                 pass                       # rank 0 raised the same error and answered the client
 
@@ -122,100 +123,3 @@ def _cpu(x):
     if isinstance(x, dict):
         return {k: _cpu(v) for k, v in x.items()}
     return x
-
-
-def service_info(cfg: ServiceConfig, engine, running: int):
-    """The InfoResponse both services answer GetInfo with (the gateway checks they agree)."""
-    from services.bridge.rows import CONTRACT_VERSION
-    from tandem.v1 import target_pb2
-    mc = engine.model.cfg
-    reserved = getattr(engine.forward, "reserved_blocks", 0)     # CUDA graphs' scratch block: no request's
-    return target_pb2.InfoResponse(
-        model=cfg.model, vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
-        eos_token_ids=list(mc.eos_token_ids), max_model_len=engine.max_model_len,
-        kv_blocks_total=engine.cache.num_blocks - reserved, kv_blocks_free=engine.cache.num_free_blocks,
-        running_requests=running, contract_version=CONTRACT_VERSION,
-        num_nextn_predict_layers=mc.num_nextn_predict_layers, model_identity=model_identity(cfg.model),
-        index_topk=mc.index_topk or 0, index_scoring=engine.cache.index_scoring or "")
-
-
-def hello(cfg: ServiceConfig) -> dict:
-    """What target and draft exchange when their bridge connects (and report in GetInfo)."""
-    from services.bridge.rows import CONTRACT_VERSION
-    return {"model_identity": model_identity(cfg.model), "contract_version": CONTRACT_VERSION}
-
-
-class ServicerBase:
-    """Release and GetInfo, answered alike by the target and the draft. A subclass sets cfg, group,
-    engine and lock, and says how many requests it is running."""
-
-    def running(self) -> int:
-        raise NotImplementedError
-
-    def Release(self, request, context):
-        from tandem import grpc_server
-        from tandem.v1 import target_pb2
-        try:
-            with self.lock:
-                return target_pb2.ReleaseResponse(released=self.group.call("release", list(request.request_ids)))
-        except ServiceError as e:             # the rank group broke: UNAVAILABLE, not a traceback
-            grpc_server.abort(context, e.code, str(e))
-
-    def GetInfo(self, request, context):
-        from tandem import grpc_server
-        if self.group.broken:                 # exiting to be restarted: not back for a gateway's check
-            grpc_server.abort(context, "UNAVAILABLE", self.group.broken)
-        return service_info(self.cfg, self.engine, self.running())
-
-
-def run_service(role: str, argv: list[str], description: str, model_cls, engine_cls, make_servicer,
-                add_servicer, service_name: str) -> int:
-    """Start one target or draft process: rank 0 serves gRPC, the others replay its engine calls."""
-    from models.kv_cache import index_scoring_for
-    from models.presets import load_any
-    from models.runner import new_cache
-    from services.bridge.channel import RowChannel
-    from services.config import parse, setup_torch
-    from tandem import grpc_server
-    cfg = parse(role, argv, description)
-    workers = start_workers(role, argv, cfg) if cfg.rank == 0 else []
-    try:
-        setup_torch(cfg)
-        ps = init_group(cfg)
-        try:
-            model = load_any(model_cls, cfg.model, ps=ps, dtype=cfg.torch_dtype, device=cfg.rank_device)
-        except ValueError as e:                    # layout errors: heads/experts not divisible, ...
-            raise SystemExit(f"tandem {role}: {e}") from None
-        mc = model.cfg
-        cache = new_cache(model, cfg.num_blocks, cfg.block_size, index_scoring_for(cfg.index_scoring, cfg.device))
-        if mc.sparse_attention:
-            log.info("%s: DeepSeek sparse attention: index_topk %d, %d index heads of %d, %s scoring", role,
-                     mc.index_topk, mc.index_n_heads, mc.index_head_dim, cache.index_scoring)
-        max_len = min(cfg.max_model_len, mc.max_position_embeddings)
-        engine = engine_cls(model, cache, max_len)
-        if cfg.device.startswith("cuda") and cfg.tp == 1 and not cfg.enforce_eager:
-            from models import cuda_graphs
-            cuda_graphs.enable(engine, extra_rows=1 if role == "draft" else 0, warmup_batch=cfg.cuda_graph_max_batch)
-        group = RankGroup(engine, ps)
-        if cfg.rank > 0:
-            group.serve_worker()
-            return 0
-        backend = cfg.bridge_backend
-        log.info("%s: model identity %s (%s)", role, model_identity(cfg.model), cfg.model)
-        channel = RowChannel(cfg.bridge_addr, "sender" if role == "target" else "receiver", backend,
-                             cfg.rank_device, hello=hello(cfg), ipc_bytes=cfg.bridge_ipc_mib << 20) if backend else None
-        servicer = make_servicer(cfg, group, channel)
-        try:
-            from tandem import tracing
-            tracing.setup(f"tandem-{role}", cfg.otlp_endpoint)
-            grpc_server.serve(lambda s: add_servicer(servicer, s), [service_name], cfg.host, cfg.port,
-                              max_bytes=cfg.max_message_bytes, tls=cfg.tls)
-        finally:
-            group.close()
-    finally:
-        for w in workers:
-            try:
-                w.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                w.kill()
-    return 0

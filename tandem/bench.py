@@ -146,7 +146,7 @@ def stop_cluster(proc: subprocess.Popen | None) -> None:
 
 
 def acceptance(argv) -> int:
-    from tandem.cli import default_model
+    from models.tiny import default_model
     p = argparse.ArgumentParser(prog="tandem bench acceptance", description=__doc__)
     p.add_argument("--model", default=None)
     p.add_argument("--gateway", default=None, help="use a running gateway (HOST:PORT) instead of starting one")

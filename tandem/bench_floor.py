@@ -79,7 +79,7 @@ def static_bytes(model) -> tuple[int, int, int]:
 
 
 def measure(engine, batch: int, k: int, prompt_tokens: int, warmup: int, iters: int, bw: float, seed: int) -> dict:
-    from services.target.engine import Sampling
+    from services.sampling import Sampling
     cfg, model = engine.model.cfg, engine.model
     device = str(engine.cache.device)
     g = torch.Generator().manual_seed(seed)
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     from models.presets import load_any, random_model_id
     from services.config import DTYPES
     from services.target.engine import TargetEngine
-    from tandem.cli import default_model
+    from models.tiny import default_model
     p = argparse.ArgumentParser(prog="tandem bench floor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)

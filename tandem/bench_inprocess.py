@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
+from services.draft.engine import DraftEngine, ProposeItem
 from services.ranks import on_device
-from services.target.engine import Sampling, TargetEngine
+from services.sampling import Sampling
+from services.target.engine import TargetEngine
 from tandem.bench import write_results
 
 
@@ -88,7 +89,7 @@ def run_loop(te: TargetEngine, de: DraftEngine | None, prompts: list[list[int]],
         if new:
             t0 = time.perf_counter()
             with on_device(te.cache.device):
-                first, hidden = te.prefill([(rid(i), p, Sampling(seed=seed0 + i)) for i, p in new])
+                first, hidden, _ = te.prefill([(rid(i), p, Sampling(seed=seed0 + i)) for i, p in new])
             split["prefill"] += time.perf_counter() - t0
             for (i, p), tok, h in zip(new, first, hidden.split([len(p) for _, p in new])):
                 out[i], pending[i], position[i], rows[i] = [tok], list(p) + [tok], 0, h
@@ -101,7 +102,7 @@ def run_loop(te: TargetEngine, de: DraftEngine | None, prompts: list[list[int]],
         props: dict[int, list[int]] = {}
         if k > 0 and de is not None:
             t0 = time.perf_counter()
-            items = [ProposeItem(rid(i), pending[i], k, DraftSampling(), position[i]) for i in running]
+            items = [ProposeItem(rid(i), pending[i], k, Sampling(), position[i]) for i in running]
             de.expected_rows(items)
             with on_device(de.cache.device):
                 proposals = de.propose(items, {rid(i): rows[i] for i in running})
@@ -111,7 +112,7 @@ def run_loop(te: TargetEngine, de: DraftEngine | None, prompts: list[list[int]],
             split["propose"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         with on_device(te.cache.device):
-            acc, emitted, hidden = te.verify([(rid(i), props.get(i, []), None) for i in running])
+            acc, emitted, hidden, _ = te.verify([(rid(i), props.get(i, []), None) for i in running])
         split["verify"] += time.perf_counter() - t0
         rounds += 1
         for i, a, toks, h in zip(list(running), acc, emitted, hidden.split([a + 1 for a in acc])):
@@ -137,7 +138,7 @@ def measure(te, de, prompts, k, batch, max_tokens) -> dict:
 
 
 def main(argv=None) -> int:
-    from tandem.cli import default_model
+    from models.tiny import default_model
     p = argparse.ArgumentParser(prog="tandem bench inprocess", description=__doc__)
     p.add_argument("--model", default=None)
     p.add_argument("--random-config", default="", help="a models/presets.py preset with random weights")

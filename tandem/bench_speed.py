@@ -148,7 +148,7 @@ def parse(argv):
 
 def main(argv=None) -> int:
     from tandem.bench_inprocess import random_id, run_grid
-    from tandem.cli import default_model
+    from models.tiny import default_model
     a, extra = parse(argv)
     rid = random_id(a)
     model = rid or str(a.model or default_model())

@@ -6,20 +6,6 @@ import logging
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-BUNDLED_MODEL = REPO / "checkpoints" / "tandem-code-mini"
-TINY_CACHE = Path.home() / ".cache" / "tandem" / "tiny"
-
-
-def default_model() -> Path:
-    """The bundled trained model when present, else a seeded random tiny model (made once)."""
-    if (BUNDLED_MODEL / "config.json").exists():
-        return BUNDLED_MODEL
-    if not (TINY_CACHE / "config.json").exists():
-        from models.tiny import make_tiny
-        make_tiny(TINY_CACHE)
-    return TINY_CACHE
-
 
 def _make_tiny(args) -> int:
     from models.tiny import make_tiny
@@ -33,6 +19,7 @@ def _generate(args) -> int:
     from models.loader import load_model
     from models.model import TargetModel
     from models.runner import greedy_generate
+    from models.tiny import default_model
     path = Path(args.model or default_model())
     model = load_model(TargetModel, path, dtype=torch.float32, device=args.device)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))

@@ -11,7 +11,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem import tls as tls_mod
+from infra import tls as tls_mod
 
 
 def http_ok(url: str, tls: tls_mod.TlsFiles) -> bool:

@@ -20,7 +20,7 @@ from tandem.supervise import Supervisor
 
 
 def wait_serving(addr: str, proc: subprocess.Popen, name: str, timeout_s: float, tls=None) -> None:
-    from tandem import tls as tls_mod
+    from infra import tls as tls_mod
     stub = health_pb2_grpc.HealthStub(tls_mod.channel(addr, tls or tls_mod.PLAINTEXT))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -36,7 +36,7 @@ def wait_serving(addr: str, proc: subprocess.Popen, name: str, timeout_s: float,
 
 
 def parse(argv):
-    from tandem.cli import default_model
+    from models.tiny import default_model
     p = argparse.ArgumentParser(prog="tandem serve", description=__doc__)
     p.add_argument("--model", default=None)
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=3)
@@ -85,7 +85,7 @@ def parse(argv):
     p.add_argument("--synthetic-acceptance", type=float, default=-1.0, help="BENCHMARK ONLY, changes the output: "
                    "the target accepts each draft with probability P after its real forward (greedy only; "
                    "< 0: off). See services/target/synthetic.py")
-    from tandem import tls as tls_mod
+    from infra import tls as tls_mod
     tls_mod.add_flags(p)              # the same files for all three services (mutual TLS between them with a CA)
     a = p.parse_args(argv)
     a.tls = tls_mod.TlsFiles(a.tls_cert, a.tls_key, a.tls_ca).validate("tandem serve")

@@ -6,7 +6,7 @@ import time
 
 import grpc
 
-from tandem.v1 import draft_pb2, rows_pb2, target_pb2
+from tandem.v1 import common_pb2, draft_pb2, rows_pb2, target_pb2
 
 
 def bridge_prefill(target, rid: str, prompt: list[int], timeout_s: float = 120.0):
@@ -18,7 +18,7 @@ def bridge_prefill(target, rid: str, prompt: list[int], timeout_s: float = 120.0
             transport=rows_pb2.TRANSPORT_BRIDGE), timeout=60)
         if resp.hidden_rows.transport == rows_pb2.TRANSPORT_BRIDGE or time.monotonic() > deadline:
             return resp
-        target.Release(target_pb2.ReleaseRequest(request_ids=[rid]), timeout=10)
+        target.Release(common_pb2.ReleaseRequest(request_ids=[rid]), timeout=10)
         time.sleep(0.2)               # polling a background connect; nothing to await on the wire
 
 

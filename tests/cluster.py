@@ -43,9 +43,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem import tls as tls_mod
-from tandem.grpc_server import channel_options
-from tandem.v1 import draft_pb2, draft_pb2_grpc, generate_pb2_grpc, rows_pb2, target_pb2, target_pb2_grpc
+from infra import tls as tls_mod
+from infra.grpc_server import channel_options
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2_grpc, rows_pb2, target_pb2, target_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -275,7 +275,7 @@ class Cluster:
             time.sleep(0.2)   # polling a background connect; nothing to await on the wire
 
     def release(self, request_ids: list[str]) -> None:
-        req = target_pb2.ReleaseRequest(request_ids=request_ids)
+        req = common_pb2.ReleaseRequest(request_ids=request_ids)
         self.target.Release(req, timeout=10)
         self.draft.Release(req, timeout=10)
 
@@ -285,7 +285,7 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         stubs = self.targets + self.drafts
         while True:
-            infos = [s.GetInfo(target_pb2.InfoRequest(), timeout=10) for s in stubs]
+            infos = [s.GetInfo(common_pb2.InfoRequest(), timeout=10) for s in stubs]
             if all(i.running_requests == 0 and i.kv_blocks_free == i.kv_blocks_total for i in infos):
                 return
             if time.monotonic() > deadline:

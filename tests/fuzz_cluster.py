@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 
 from cluster import SERVING, Cluster, make_checkpoint, serve_module
-from tandem.v1 import generate_pb2, rows_pb2, target_pb2
+from tandem.v1 import common_pb2, generate_pb2, rows_pb2, target_pb2
 
 VOCAB, HIDDEN, K = 512, 64, 2
 MAX_PROMPT, MAX_OUTPUT, MAX_REQUEST_BYTES, SERVICE_MAX_BYTES = 64, 16, 64 << 10, 1 << 20
@@ -100,8 +100,8 @@ class FuzzCluster:
         return list(self.generate.Generate(generate_pb2.GenerateRequest(
             token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=n, ignore_eos=True), timeout=TIMEOUT).token_ids)
 
-    def info(self, stub) -> target_pb2.InfoResponse:
-        return stub.GetInfo(target_pb2.InfoRequest(), timeout=TIMEOUT)
+    def info(self, stub) -> common_pb2.InfoResponse:
+        return stub.GetInfo(common_pb2.InfoRequest(), timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="session")

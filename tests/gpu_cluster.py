@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 
 from cluster import REPO, free_ports, make_checkpoint
-from tandem.grpc_server import channel_options
+from infra.grpc_server import channel_options
 from tandem.v1 import draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc
 
 

@@ -11,7 +11,7 @@ import torch
 from models.model import DraftModel, TargetModel
 from models.presets import build_random, parse_random_id, random_identity, random_model_id
 from services.identity import model_identity
-from services.target.engine import Sampling
+from services.sampling import Sampling
 from services.target.synthetic import expected_acceptance_length, synthetic_accept
 from tandem.bench_inprocess import make_engines, run_loop
 
@@ -138,7 +138,7 @@ def test_cuda_graph_scratch_block_is_not_reported_as_used():
     from types import SimpleNamespace
 
     from models.cuda_graphs import GraphedForward
-    from services.ranks import service_info
+    from services.servicer import service_info
     te, _ = make_engines(TINY)
     te.forward = GraphedForward(te.model, te.cache, te.model.cfg.hidden_size, torch.float32, te.max_model_len)
     info = service_info(SimpleNamespace(model=TINY), te, 0)

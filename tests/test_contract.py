@@ -21,7 +21,7 @@ from cluster import Cluster, make_checkpoint, serve_module
 from models.loader import load_model
 from models.model import TargetModel
 from models.runner import greedy_generate
-from tandem.v1 import draft_pb2, generate_pb2, rows_pb2, target_pb2
+from tandem.v1 import common_pb2, draft_pb2, generate_pb2, rows_pb2, target_pb2
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def ref_model(ckpt):
 
 @pytest.fixture(scope="module")
 def hidden_size(cluster):
-    return cluster.target.GetInfo(target_pb2.InfoRequest(), timeout=TIMEOUT).hidden_size
+    return cluster.target.GetInfo(common_pb2.InfoRequest(), timeout=TIMEOUT).hidden_size
 
 
 # --- raw calls ---------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def test_propose_for_released_request(cluster, ref_model):
         new = prompt_of(T, 2) + list(pre.first_token_ids)
         drafts = list(propose(cluster, r, new, 0, [pre.hidden_rows]).results[0].draft_token_ids)
         v = verify(cluster, r, drafts)
-        assert cluster.draft.Release(target_pb2.ReleaseRequest(request_ids=[r]), timeout=TIMEOUT).released == 1
+        assert cluster.draft.Release(common_pb2.ReleaseRequest(request_ids=[r]), timeout=TIMEOUT).released == 1
         refused(lambda: propose(cluster, r, list(v.results[0].emitted_token_ids), T + 1, [v.hidden_rows]),
                 grpc.StatusCode.FAILED_PRECONDITION, repr(r), f"position is {T + 1}", "released")
     finally:
@@ -323,7 +323,7 @@ def test_verify_unknown_request(cluster, ref_model):
 
 
 def test_verify_draft_probs_of_wrong_size(cluster, ref_model):
-    info = cluster.target.GetInfo(target_pb2.InfoRequest(), timeout=TIMEOUT)
+    info = cluster.target.GetInfo(common_pb2.InfoRequest(), timeout=TIMEOUT)
     V, T, r = info.vocab_size, 6, rid("probs")
     prompt = prompt_of(T, 8)
     try:

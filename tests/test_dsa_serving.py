@@ -13,7 +13,7 @@ import pytest
 
 from cluster import Cluster, serve_module
 from dsa_checkpoint import hf_greedy, make_v32_checkpoint
-from tandem.v1 import generate_pb2 as gen, target_pb2
+from tandem.v1 import common_pb2, generate_pb2 as gen
 
 pytestmark = pytest.mark.slow
 
@@ -66,9 +66,9 @@ def test_served_greedy_equals_transformers_at_k0_k3_and_tp2_sp(v32, mesh):
 
 
 def test_getinfo_reports_sparse_attention(mesh):
-    info = mesh.targets[0].GetInfo(target_pb2.InfoRequest(), timeout=30)
+    info = mesh.targets[0].GetInfo(common_pb2.InfoRequest(), timeout=30)
     assert (info.index_topk, info.index_scoring) == (8, "exact")
-    info = mesh.drafts[1].GetInfo(target_pb2.InfoRequest(), timeout=30)
+    info = mesh.drafts[1].GetInfo(common_pb2.InfoRequest(), timeout=30)
     assert (info.index_topk, info.index_scoring) == (8, "exact")
 
 

@@ -9,9 +9,10 @@ from models.loader import build
 from models.model import DraftModel, TargetModel
 from models.runner import greedy_generate, new_cache
 from models.tiny import TINY_CONFIG, init_random_
-from services.bridge.rows import ServiceError
-from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
-from services.target.engine import Sampling, TargetEngine
+from infra.errors import ServiceError
+from services.draft.engine import DraftEngine, ProposeItem
+from services.sampling import Sampling
+from services.target.engine import TargetEngine
 
 
 def make_models(vocab=512, head_std=0.02, seed=0):
@@ -35,22 +36,20 @@ def speculate(te: TargetEngine, de: DraftEngine, prompts: dict, k, n: int, sampl
     k: draft tokens per round, one int or a dict per request."""
     sampling = sampling or {r: Sampling() for r in prompts}
     k = k if isinstance(k, dict) else {r: k for r in prompts}
-    first, hidden = te.prefill([(r, p, sampling[r]) for r, p in prompts.items()])
+    first, hidden, _ = te.prefill([(r, p, sampling[r]) for r, p in prompts.items()])
     rows = dict(zip(prompts, hidden.split([len(p) for p in prompts.values()])))
     out = {r: [t] for r, t in zip(prompts, first)}
     pending = {r: list(p) + [t] for (r, p), t in zip(prompts.items(), first)}
     position = {r: 0 for r in prompts}
-    gens = {r: torch.Generator().manual_seed(1000 + i) for i, r in enumerate(prompts)}
     while any(len(o) < n for o in out.values()):
         live = [r for r in prompts if len(out[r]) < n]
-        items = [ProposeItem(r, pending[r], k[r], DraftSampling(sampling[r].temperature, sampling[r].top_k,
-                                                             sampling[r].top_p, gens[r]), position[r]) for r in live]
+        items = [ProposeItem(r, pending[r], k[r], sampling[r], position[r]) for r in live]
         expected = de.expected_rows(items)
         assert all(expected[r] == rows[r].shape[0] for r in live), (expected, {r: rows[r].shape for r in live})
         proposals = de.propose(items, {r: rows[r] for r in live})
         for r in live:
             position[r] += len(pending[r])
-        accepted, emitted, hidden = te.verify([(r, d, q) for r, (d, q) in zip(live, proposals)])
+        accepted, emitted, hidden, _ = te.verify([(r, d, q) for r, (d, q) in zip(live, proposals)])
         rows.update(zip(live, hidden.split([a + 1 for a in accepted])))
         for r, toks in zip(live, emitted):
             out[r] += toks
@@ -63,14 +62,14 @@ def test_oracle_drafts_accepted_and_rolled_back():
     te = TargetEngine(target, new_cache(target, 64), 2048)
     prompt = [3, 17, 42, 9, 100, 7]
     ref = greedy_generate(target, prompt, 12)
-    (first,), _ = te.prefill([("a", prompt, Sampling())])
+    (first,), _, _ = te.prefill([("a", prompt, Sampling())])
     assert first == ref[0]
-    acc, out, rows = te.verify([("a", ref[1:4], None)])                 # all three drafts right
+    acc, out, rows, _ = te.verify([("a", ref[1:4], None)])                 # all three drafts right
     assert acc == [3] and out == [ref[1:5]] and rows.shape[0] == 4
-    acc, out, rows = te.verify([("a", [ref[5], ref[6], 1, 2], None)])   # wrong at position 2
+    acc, out, rows, _ = te.verify([("a", [ref[5], ref[6], 1, 2], None)])   # wrong at position 2
     assert acc == [2] and out == [ref[5:8]] and rows.shape[0] == 3
     assert te.cache.length("a") == len(prompt) + 1 + 4 + 2               # rejected positions rolled back
-    acc, out, _ = te.verify([("a", [], None)])                          # k = 0: plain decoding
+    acc, out, _, _ = te.verify([("a", [], None)])                          # k = 0: plain decoding
     assert acc == [0] and out == [[ref[8]]]
     te.release(["a"])
     assert te.cache.num_free_blocks == te.cache.num_blocks
@@ -97,18 +96,18 @@ def test_mtp_drafts_match_a_from_scratch_recomputation():
     target, draft = make_models()
     te, de = engines(target, draft)
     prompt = [5, 6, 7, 8, 9, 10, 11]
-    (t0,), hidden = te.prefill([("a", prompt, Sampling())])
+    (t0,), hidden, _ = te.prefill([("a", prompt, Sampling())])
     seq, rows, pending, pos = prompt + [t0], hidden, prompt + [t0], 0
     for _ in range(4):
-        (drafts, _), = de.propose([ProposeItem("a", pending, 2, DraftSampling(), pos)], {"a": rows})
+        (drafts, _), = de.propose([ProposeItem("a", pending, 2, Sampling(), pos)], {"a": rows})
         pos += len(pending)
         # from scratch: target hidden over seq[:-1], MTP over pairs (h_i, seq[i+1]) in a fresh cache
         t2 = TargetEngine(target, new_cache(target, 64), 2048)
-        _, h_all = t2.prefill([("x", seq[:-1], Sampling())])
+        _, h_all, _ = t2.prefill([("x", seq[:-1], Sampling())])
         fresh = DraftEngine(draft, new_cache(draft, 64), 2048)
-        (ref, _), = fresh.propose([ProposeItem("x", seq, 1, DraftSampling(), 0)], {"x": h_all})
+        (ref, _), = fresh.propose([ProposeItem("x", seq, 1, Sampling(), 0)], {"x": h_all})
         assert drafts[0] == ref[0]
-        acc, (toks,), rows = te.verify([("a", drafts, None)])
+        acc, (toks,), rows, _ = te.verify([("a", drafts, None)])
         seq += toks
         pending = toks
 

@@ -22,7 +22,7 @@ from fuzz_cluster import (BRIDGE, HIDDEN, INLINE, LIVE, PROMPT, TIMEOUT, VOCAB, 
 from models.loader import load_model
 from models.model import TargetModel
 from models.runner import greedy_generate
-from tandem.v1 import draft_pb2, rows_pb2, target_pb2
+from tandem.v1 import common_pb2, draft_pb2, rows_pb2, target_pb2
 
 pytestmark = pytest.mark.slow
 
@@ -243,7 +243,7 @@ def test_fuzz_recompute_rows(fuzz_cluster, data, bad):
 @given(ids=st.one_of(st.lists(rid, max_size=5), st.integers(0, 20000).map(lambda n: [f"fz-{i}" for i in range(n)])))
 def test_fuzz_release_and_info(fuzz_cluster, ids):
     for stub in (fuzz_cluster.target, fuzz_cluster.draft):
-        resp = call("Release", stub.Release, target_pb2.ReleaseRequest(request_ids=ids))
+        resp = call("Release", stub.Release, common_pb2.ReleaseRequest(request_ids=ids))
         assert resp is not None and resp.released == 0        # none of them is running
         assert fuzz_cluster.info(stub).vocab_size == VOCAB
 

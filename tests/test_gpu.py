@@ -5,7 +5,7 @@ import torch
 
 from bridge_checks import assert_bridge_contract
 from gpu_cluster import serve_cuda
-from tandem.v1 import generate_pb2, target_pb2
+from tandem.v1 import common_pb2, generate_pb2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; this machine has none")
 
@@ -34,5 +34,5 @@ def test_cuda_greedy_speculation_equals_plain_decoding(cuda_cluster):
 def test_bridge_carries_rows_and_contract_fires_on_cuda(cuda_cluster):
     _, target, draft = cuda_cluster
     assert_bridge_contract(target, draft, "gpu-contract", [5, 9, 17, 33, 65, 129])
-    target.Release(target_pb2.ReleaseRequest(request_ids=["gpu-contract"]), timeout=10)
-    draft.Release(target_pb2.ReleaseRequest(request_ids=["gpu-contract"]), timeout=10)
+    target.Release(common_pb2.ReleaseRequest(request_ids=["gpu-contract"]), timeout=10)
+    draft.Release(common_pb2.ReleaseRequest(request_ids=["gpu-contract"]), timeout=10)

@@ -166,7 +166,7 @@ def shared_gpu_cluster(tmp_path_factory):
 
 @needs_cuda
 def test_shared_gpu_bridge_is_ipc_and_contract_fires(shared_gpu_cluster):
-    from tandem.v1 import draft_pb2, target_pb2
+    from tandem.v1 import common_pb2, draft_pb2
     _, target, draft, log = shared_gpu_cluster
     rows, item = assert_bridge_contract(target, draft, "ipc-contract", [5, 9, 17, 33, 65, 129])
     text = log.read_text()
@@ -174,8 +174,8 @@ def test_shared_gpu_bridge_is_ipc_and_contract_fires(shared_gpu_cluster):
         text[-4000:]
     good = draft.Propose(draft_pb2.ProposeRequest(items=[item], hidden_rows=[rows]), timeout=30)
     assert len(good.results[0].draft_token_ids) == 2          # the same transfer, taken through the IPC slot
-    target.Release(target_pb2.ReleaseRequest(request_ids=["ipc-contract"]), timeout=10)
-    draft.Release(target_pb2.ReleaseRequest(request_ids=["ipc-contract"]), timeout=10)
+    target.Release(common_pb2.ReleaseRequest(request_ids=["ipc-contract"]), timeout=10)
+    draft.Release(common_pb2.ReleaseRequest(request_ids=["ipc-contract"]), timeout=10)
 
 
 @needs_cuda

@@ -72,10 +72,10 @@ def test_graph_replay_equals_eager(ckpt, which, scoring, monkeypatch):
 
 def _served(tmp, ckpt, scoring: str) -> dict:
     from gpu_cluster import serve_cuda
-    from tandem.v1 import generate_pb2, target_pb2
+    from tandem.v1 import common_pb2, generate_pb2
     outs = {}
     with serve_cuda(tmp, ["--index-scoring", scoring], model=ckpt) as (gateway, target, _, _):
-        info = target.GetInfo(target_pb2.InfoRequest(), timeout=30)
+        info = target.GetInfo(common_pb2.InfoRequest(), timeout=30)
         assert (info.index_topk, info.index_scoring) == (16, scoring)
         for i, prompt in enumerate(PROMPTS):
             for k in (0, 3):

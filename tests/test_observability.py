@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from api_cluster import K
-from tandem import tracing
+from infra import tracing
 from tandem.v1 import generate_pb2 as gen
 
 pytestmark = pytest.mark.slow

@@ -40,7 +40,7 @@ from cluster import REPO, Cluster, free_ports, make_checkpoint, serve_module
 from models.loader import load_model
 from models.model import TargetModel
 from models.runner import greedy_generate
-from tandem.grpc_server import channel_options
+from infra.grpc_server import channel_options
 from tandem.v1 import draft_pb2, generate_pb2 as gen, generate_pb2_grpc, rows_pb2, target_pb2
 
 pytestmark = pytest.mark.slow

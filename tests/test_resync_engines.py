@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from models.runner import greedy_generate, new_cache
-from services.bridge.rows import ServiceError
-from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
-from services.target.engine import Sampling
+from infra.errors import ServiceError
+from services.draft.engine import DraftEngine, ProposeItem
+from services.sampling import Sampling
 from test_engines import engines, make_models
 
 PROMPT = [5, 9, 13, 17, 21, 3]
@@ -19,9 +19,9 @@ def rounds(te, de, tokens: list[int], pending: list[int], rows: torch.Tensor, po
     """n Propose -> Verify rounds of request "r"; appends to tokens -> (pending, rows, position, all rows)."""
     kept = []
     for _ in range(n):
-        (d, q), = de.propose([ProposeItem("r", pending, 3, DraftSampling(), position)], {"r": rows})
+        (d, q), = de.propose([ProposeItem("r", pending, 3, Sampling(), position)], {"r": rows})
         position += len(pending)
-        _, emitted, rows = te.verify([("r", d, q)])
+        _, emitted, rows, _ = te.verify([("r", d, q)])
         kept.append(rows)
         pending = emitted[0]
         tokens += pending
@@ -31,7 +31,7 @@ def rounds(te, de, tokens: list[int], pending: list[int], rows: torch.Tensor, po
 def test_recompute_rows_rebuilds_a_lost_draft():
     target, draft = make_models(head_std=0.5)
     te, de = engines(target, draft)
-    first, hidden = te.prefill([("r", PROMPT, Sampling())])
+    first, hidden, _ = te.prefill([("r", PROMPT, Sampling())])
     tokens = PROMPT + first
     pending, rows, position, kept = rounds(te, de, tokens, list(tokens), hidden, 0, 5)
     free, length = te.cache.num_free_blocks, te.cache.length("r")
@@ -43,10 +43,10 @@ def test_recompute_rows_rebuilds_a_lost_draft():
     torch.testing.assert_close(again, before, atol=1e-4, rtol=1e-4)
 
     fresh = DraftEngine(draft, new_cache(draft, 512), 2048)                       # the restarted draft
-    (d_old, _), = de.propose([ProposeItem("r", pending, 3, DraftSampling(), position)], {"r": rows})
-    (d_new, q), = fresh.propose([ProposeItem("r", list(tokens), 3, DraftSampling(), 0)], {"r": again})
+    (d_old, _), = de.propose([ProposeItem("r", pending, 3, Sampling(), position)], {"r": rows})
+    (d_new, q), = fresh.propose([ProposeItem("r", list(tokens), 3, Sampling(), 0)], {"r": again})
     assert d_new == d_old                            # re-synced, it proposes what the old draft would have
-    _, emitted, rows = te.verify([("r", d_new, q)])
+    _, emitted, rows, _ = te.verify([("r", d_new, q)])
     tokens += emitted[0]
     pending, *_ = rounds(te, fresh, tokens, emitted[0], rows, len(tokens) - len(emitted[0]), 4)
     n = len(tokens) - len(PROMPT)
@@ -57,7 +57,7 @@ def test_recompute_rows_rebuilds_a_lost_draft():
 def test_recompute_rows_refuses_other_tokens():
     target, draft = make_models()
     te, _ = engines(target, draft)
-    first, _ = te.prefill([("r", PROMPT, Sampling())])
+    first, _, _ = te.prefill([("r", PROMPT, Sampling())])
     with pytest.raises(ServiceError) as e:
         te.recompute_rows([("r", PROMPT)])                                        # the first token missing
     assert e.value.code == "FAILED_PRECONDITION" and f"{len(PROMPT)} tokens" in str(e.value) \

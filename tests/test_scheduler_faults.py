@@ -24,7 +24,7 @@ from gateway.request import Observer
 from gateway.scheduler import GenRequest, Scheduler
 from gateway.text import TextStream
 from gateway.watch import info_changes
-from tandem.v1 import draft_pb2, rows_pb2, target_pb2
+from tandem.v1 import common_pb2, draft_pb2, rows_pb2, target_pb2
 
 NEXT = 7
 
@@ -68,7 +68,7 @@ class FakeTarget:
 
     async def Release(self, req, timeout=None):
         await self._call("Release", req, timeout)
-        return target_pb2.ReleaseResponse()
+        return common_pb2.ReleaseResponse()
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls if c[0] != "Release"]
@@ -273,10 +273,10 @@ def test_degradation_backoff_grows_and_resets(monkeypatch):
 
 
 def test_info_changes_name_the_model_not_the_load():
-    a = target_pb2.InfoResponse(model="m", vocab_size=512, kv_blocks_total=10, kv_blocks_free=3, running_requests=2)
-    b = target_pb2.InfoResponse(model="m", vocab_size=512, kv_blocks_total=20, kv_blocks_free=20)
+    a = common_pb2.InfoResponse(model="m", vocab_size=512, kv_blocks_total=10, kv_blocks_free=3, running_requests=2)
+    b = common_pb2.InfoResponse(model="m", vocab_size=512, kv_blocks_total=20, kv_blocks_free=20)
     assert info_changes(a, b) == []
-    c = target_pb2.InfoResponse(model="other", vocab_size=1024)
+    c = common_pb2.InfoResponse(model="other", vocab_size=1024)
     assert info_changes(a, c) == ["model: was 'm', now 'other'", "vocab_size: was 512, now 1024"]
 
 
@@ -296,9 +296,9 @@ def test_supervisor_restarts_with_backoff_then_gives_up(monkeypatch, capsys):
 
 
 def test_a_service_refuses_a_call_whose_deadline_passed():
-    """tandem.grpc_server.time_left: a call that waited past its caller's deadline (for the engine
+    """infra.grpc_server.time_left: a call that waited past its caller's deadline (for the engine
     lock) is refused before it does anything; one with time left (or no deadline) runs."""
-    from tandem.grpc_server import time_left
+    from infra.grpc_server import time_left
 
     class Context:
         def __init__(self, left):

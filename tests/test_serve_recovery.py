@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from cluster import REPO, free_ports, make_checkpoint
-from tandem.v1 import generate_pb2 as gen, generate_pb2_grpc, target_pb2, target_pb2_grpc, draft_pb2_grpc
+from tandem.v1 import common_pb2, generate_pb2 as gen, generate_pb2_grpc, target_pb2_grpc, draft_pb2_grpc
 from test_faults import health, wait_until
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ class Served:
     def idle(self, timeout_s: float = 15) -> None:
         """Both services hold no request and every KV block is free (GetInfo)."""
         def check():
-            infos = [s.GetInfo(target_pb2.InfoRequest(), timeout=5) for s in (self.target, self.draft)]
+            infos = [s.GetInfo(common_pb2.InfoRequest(), timeout=5) for s in (self.target, self.draft)]
             return all(i.running_requests == 0 and i.kv_blocks_free == i.kv_blocks_total for i in infos)
         wait_until(check, timeout_s, "both services idle with every KV block free")
 

@@ -29,9 +29,9 @@ from cluster import SERVING, Cluster, make_checkpoint, serve_module
 from models.loader import load_model
 from models.model import TargetModel
 from models.runner import greedy_generate
-from services.bridge.channel import tcp_store
-from tandem import tls as tls_mod
-from tandem.v1 import generate_pb2 as gen, generate_pb2_grpc, target_pb2, target_pb2_grpc
+from services.rendezvous import tcp_store
+from infra import tls as tls_mod
+from tandem.v1 import common_pb2, generate_pb2 as gen, generate_pb2_grpc, target_pb2_grpc
 
 KEY = "tls-test-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -141,7 +141,7 @@ def test_services_refuse_clients_without_a_trusted_certificate(cluster, pki, cli
         ch = tls_mod.channel(addr_of(cluster, name), tls)
         try:
             with pytest.raises(grpc.RpcError) as e:
-                target_pb2_grpc.TargetServiceStub(ch).GetInfo(target_pb2.InfoRequest(), timeout=10)
+                target_pb2_grpc.TargetServiceStub(ch).GetInfo(common_pb2.InfoRequest(), timeout=10)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
         finally:
             ch.close()

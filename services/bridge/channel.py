@@ -26,14 +26,13 @@ endpoint (requested transport, device, GPU UUID, process) under its own keys (de
 legitimately, so they are not part of `hello`); both sides compute the transport from the same two
 records, so they agree, or both fail naming both.
 The store's server listens on the bridge address's host only (loopback by default), never on all
-interfaces: TCPStore binds every interface unless handed a socket (`tcp_store`).
+interfaces: TCPStore binds every interface unless handed a socket (services/rendezvous.py).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -43,25 +42,12 @@ import torch.distributed as dist
 
 from services.bridge.ipc import DEFAULT_CAPACITY, IpcReceiver, IpcSender, error_answer
 from services.bridge.transport import TRANSPORTS, choose_transport, endpoint
+from services.rendezvous import tcp_store
 
 log = logging.getLogger("tandem.bridge")
 PARK_TTL_S = 120.0
 _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
-
-
-def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: timedelta) -> dist.TCPStore:
-    """A TCPStore whose server (is_master) listens on `host`'s address only."""
-    if not is_master:
-        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(addr)
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=sock.detach())         # the store owns the fd from here
 
 
 class HandshakeError(RuntimeError):

@@ -7,24 +7,16 @@ count, which the services turn into INVALID_ARGUMENT / FAILED_PRECONDITION.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
 
+from infra.errors import ServiceError
 from tandem.v1 import rows_pb2 as pb
 
 CONTRACT_VERSION = "tandem.v1/hidden-rows-1"
 DTYPE_TO_PB = {torch.float32: pb.DTYPE_FLOAT32, torch.bfloat16: pb.DTYPE_BFLOAT16, torch.float16: pb.DTYPE_FLOAT16}
 PB_TO_DTYPE = {v: k for k, v in DTYPE_TO_PB.items()}
-
-
-class ServiceError(Exception):
-    """A request the service refuses; `code` is the grpc.StatusCode name it answers with."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 class ContractError(ServiceError):
@@ -96,15 +88,6 @@ def check_finite(rows: torch.Tensor, field: str) -> None:
         raise ContractError("INVALID_ARGUMENT", f"hidden rows contract: {field} holds non-finite values "
                             f"(NaN or inf) in {int(bad.sum())} of {rows.shape[0]} rows, first at row "
                             f"{int(bad.nonzero()[0, 0])}")
-
-
-def check_sampling(rid: str, s: pb.SamplingParams) -> None:
-    """Both services: temperature a finite number >= 0, top_p in [0, 1] (NaN and inf refused)."""
-    for name, v, ok in (("temperature", s.temperature, math.isfinite(s.temperature) and s.temperature >= 0),
-                        ("top_p", s.top_p, 0 <= s.top_p <= 1)):
-        if not ok:
-            raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: sampling.{name} is {v}, expected "
-                               + ("a finite number >= 0" if name == "temperature" else "a number in [0, 1]"))
 
 
 def check_payload(desc: pb.HiddenRows, rows: torch.Tensor) -> None:

@@ -13,19 +13,9 @@ import torch
 
 from kernels.dispatch import sampling_probs
 from models.kv_cache import CacheFullError, PagedKVCache
-from services.bridge.rows import ServiceError, expect_rows
-
-
-@dataclass
-class DraftSampling:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 0.0
-    generator: torch.Generator | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
+from infra.errors import ServiceError
+from services.bridge.rows import expect_rows
+from services.sampling import Sampling
 
 
 @dataclass
@@ -33,17 +23,19 @@ class ProposeItem:
     request_id: str
     new_token_ids: list[int]
     num_draft_tokens: int
-    sampling: DraftSampling
+    sampling: Sampling
     position: int = 0       # index of new_token_ids[0] in the request's sequence (0: new request)
 
 
 class DraftEngine:
+    graph_row_inputs = 1                     # CUDA graphs: the target hidden rows after the tokens
     def __init__(self, model, cache: PagedKVCache, max_model_len: int):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
         self.forward = model                 # or a models.cuda_graphs.GraphedForward of it
         self.vocab_size = model.cfg.vocab_size
         self.committed: dict[str, int] = {}      # request id -> committed cache positions
-        self.sampling: dict[str, DraftSampling] = {}
+        self.sampling: dict[str, Sampling] = {}
+        self.generators: dict[str, torch.Generator | None] = {}   # sampled requests: the draft's own stream
 
     def expected_rows(self, items: list[ProposeItem]) -> dict[str, int]:
         """Rows each item must bring: one per new token; a new request's first token has none.
@@ -82,6 +74,7 @@ class DraftEngine:
             if it.request_id in fresh:
                 self.cache.allocate(it.request_id)
                 self.committed[it.request_id], self.sampling[it.request_id] = 0, it.sampling
+                self.generators[it.request_id] = None if it.sampling.greedy else it.sampling.generator(stream=1)
             else:                              # drop last round's speculative positions
                 self.cache.rollback(it.request_id, self.cache.length(it.request_id) - self.committed[it.request_id])
         ids = [it.request_id for it in items]
@@ -102,7 +95,7 @@ class DraftEngine:
                 live, s = [b for b in active if k[b] > 0], 0
                 while live:                    # steps 2..k reuse the layer on its own normed hidden
                     for b, (tok, q) in zip(live, self._pick(torch.stack([last[b] for b in live]),
-                                                            [self.sampling[ids[b]] for b in live])):
+                                                            [ids[b] for b in live])):
                         drafts[b].append(tok)
                         if q is not None:
                             probs[b].append(q)
@@ -123,8 +116,9 @@ class DraftEngine:
                            batch, self.cache, step=step % self.model.num_cache_layers)
         return expect_rows(out, tokens.shape[0], "the MTP block")
 
-    def _pick(self, hidden: torch.Tensor, samplings: list[DraftSampling]):
-        """hidden [M, D] -> (token, q [V] or None) per row: argmax when greedy, else a sample of q."""
+    def _pick(self, hidden: torch.Tensor, ids: list[str]):
+        """hidden [M, D] of requests `ids` -> (token, q [V] or None) per row: argmax when greedy, else a sample of q."""
+        samplings, gens = [self.sampling[r] for r in ids], [self.generators[r] for r in ids]
         logits = self.model.compute_logits(hidden)
         if all(s.greedy for s in samplings):
             return [(int(t), None) for t in self.model.ps.decide(logits.argmax(-1).cpu()).tolist()]
@@ -132,9 +126,8 @@ class DraftEngine:
         q = sampling_probs(logits, torch.tensor([s.temperature for s in samplings], device=dev),
                            torch.tensor([s.top_k for s in samplings], device=dev),
                            torch.tensor([s.top_p for s in samplings], device=dev)).cpu()
-        toks = torch.stack([qi.argmax() if s.greedy else
-                            (qi / torch.empty_like(qi).exponential_(generator=s.generator)).argmax()
-                            for qi, s in zip(q, samplings)])
+        toks = torch.stack([qi.argmax() if s.greedy else (qi / torch.empty_like(qi).exponential_(generator=g)).argmax()
+                            for qi, s, g in zip(q, samplings, gens)])
         toks = self.model.ps.decide(toks).tolist()                                # rank 0 decides
         return [(t, None if s.greedy else qi) for t, qi, s in zip(toks, q, samplings)]
 
@@ -143,5 +136,6 @@ class DraftEngine:
         for rid in ids:
             n += self.committed.pop(rid, None) is not None
             self.sampling.pop(rid, None)
+            self.generators.pop(rid, None)
             self.cache.release(rid)
         return n

@@ -8,12 +8,15 @@ import time
 import torch
 
 from services.bridge.channel import RowChannel
-from services.bridge.rows import (ServiceError, check, check_finite, check_payload, check_sampling,
-                                  decode_inline, rows_by_request)
+from infra.errors import ServiceError
+from services.bridge.rows import check, check_finite, check_payload, decode_inline, rows_by_request
 from services.config import ServiceConfig
-from services.ranks import RankGroup, ServicerBase, run_service
-from services.draft.engine import DraftEngine, DraftSampling, ProposeItem
-from tandem import grpc_server, tracing
+from services.launch import run_service
+from services.ranks import RankGroup
+from services.servicer import ServicerBase
+from services.draft.engine import DraftEngine, ProposeItem
+from services.sampling import Sampling
+from infra import grpc_server, tracing
 from tandem.v1 import draft_pb2, draft_pb2_grpc, rows_pb2
 
 log = logging.getLogger("tandem.draft")
@@ -26,17 +29,12 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
         self.hidden_size = group.engine.model.cfg.hidden_size
 
     def _item(self, it) -> ProposeItem:
-        s = it.sampling
-        check_sampling(it.request_id, s)
+        sampling = Sampling.from_pb(it.request_id, it.sampling)
         if it.num_draft_tokens > self.cfg.max_draft_tokens:
             raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: num_draft_tokens is "
                                f"{it.num_draft_tokens}, this draft proposes at most {self.cfg.max_draft_tokens} "
                                "(--max-draft-tokens)")
-        gen = None
-        if s.temperature > 0:                # seed + 1: a stream apart from the target's; wraps at 2**64 (uint64)
-            gen = torch.Generator().manual_seed((s.seed + 1) % (1 << 64) if s.HasField("seed") else torch.seed())
-        return ProposeItem(it.request_id, list(it.new_token_ids), it.num_draft_tokens,
-                           DraftSampling(s.temperature, s.top_k, s.top_p, gen), it.position)
+        return ProposeItem(it.request_id, list(it.new_token_ids), it.num_draft_tokens, sampling, it.position)
 
     def _gather_rows(self, request, expected: dict[str, int]) -> dict[str, torch.Tensor]:
         """Check every row set against `expected` before touching it; -> request id -> rows [n, D]."""
@@ -91,7 +89,7 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
                     rows = self._gather_rows(request, expected)
                 transfer_s = time.perf_counter() - t0
                 with tracing.span("draft.propose", requests=len(items)):
-                    results = self.group.call("propose", items, rows)
+                    results = self.group.call(DraftEngine.propose, items, rows)
                 done = time.perf_counter()
         except ServiceError as e:
             grpc_server.abort(context, e.code, str(e))

@@ -5,38 +5,18 @@ yet), the sampling parameters and a seeded generator. Tokens are committed here 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kernels import flashinfer_sampling
 from kernels.dispatch import greedy_verify, rejection_sample, sampling_probs
 from models.kv_cache import CacheFullError, PagedKVCache
-from services.bridge.rows import ServiceError, expect_rows
+from infra.errors import ServiceError
+from services.bridge.rows import expect_rows
+from services.sampling import Sampling
 from services.target.synthetic import synthetic_accept
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
-
-    def validate(self, rid: str) -> None:
-        for name, v, ok in (("temperature", self.temperature, self.temperature >= 0),
-                            ("top_p", self.top_p, 0 <= self.top_p <= 1)):
-            if not ok or v != v:
-                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: sampling.{name} is {v}, out of range")
-
-
-def new_generator(seed: int | None) -> torch.Generator:
-    return torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
 
 
 LOGPROB_CHUNK = 256          # prompt positions scored per LM-head call (bounds the [rows, V] buffer)
@@ -52,6 +32,19 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[
     return list(zip(own, top.indices.cpu().tolist(), top.values.cpu().tolist()))
 
 
+class Prefilled(NamedTuple):
+    first: list[int]                  # the first sampled token of each item
+    hidden: torch.Tensor              # final-norm rows of every prompt position [sum T, D]
+    logprobs: list | None = None      # per item {"prompt": [T-1 entries], "first": entry or None}, if asked
+
+
+class Verified(NamedTuple):
+    accepted: list[int]               # accepted drafts per item
+    emitted: list[list[int]]          # committed tokens per item (accepted drafts + the bonus/recovered one)
+    rows: torch.Tensor                # hidden rows of the committed positions [sum(a + 1), D]
+    logprobs: list | None = None      # per item one entry per emitted token (empty lists where none asked)
+
+
 @dataclass
 class _Request:
     pending_token: int
@@ -61,6 +54,7 @@ class _Request:
 
 
 class TargetEngine:
+    graph_row_inputs = 0                     # CUDA graphs: tokens only
     synthetic_acceptance: float | None = None   # BENCHMARK ONLY: services/target/synthetic.py
 
     def __init__(self, model, cache: PagedKVCache, max_model_len: int):
@@ -77,9 +71,7 @@ class TargetEngine:
 
     @torch.inference_mode()
     def prefill(self, items: list[tuple[str, list[int], Sampling]], logprobs: list[tuple[int | None, bool]] | None = None):
-        """-> first token per item, final-norm hidden rows of every prompt position [sum T, D].
-        logprobs: per item (top-n for the first token or None, whether to score the prompt); when
-        given, a third result: per item {"prompt": [T-1 entries], "first": entry or None}."""
+        """-> Prefilled. logprobs: per item (top-n for the first token or None, whether to score the prompt)."""
         ids = [rid for rid, _, _ in items]
         if len(set(ids)) != len(ids):
             raise ServiceError("INVALID_ARGUMENT", "request ids in one Prefill must be unique")
@@ -92,7 +84,6 @@ class TargetEngine:
                 raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: prompt has {len(prompt)} tokens, "
                                                        f"max_model_len is {self.max_model_len}")
             self._check_tokens(rid, "prompt_token_ids", prompt)
-            sampling.validate(rid)
         for rid in ids:
             self.cache.allocate(rid)
         try:
@@ -103,14 +94,14 @@ class TargetEngine:
             raise
         lens = torch.tensor([len(p) for _, p, _ in items])
         last = hidden[lens.cumsum(0) - 1]                                       # [B, D]
-        gens = [new_generator(s.seed) for _, _, s in items]
+        gens = [s.generator() for _, _, s in items]
         last_logits = self.model.compute_logits(last)
         probs = self._probs(last_logits, [s for _, _, s in items])                   # [B, V]
         first = self.model.ps.decide(torch.tensor([self._sample(probs[b], g) for b, g in enumerate(gens)])).tolist()
         for (rid, prompt, s), tok, g in zip(items, first, gens):
             self.requests[rid] = _Request(tok, len(prompt) + 1, s, g)
         if logprobs is None:
-            return first, hidden
+            return Prefilled(first, hidden)
         out, start = [], 0
         for b, ((_, prompt, _), (n, score)) in enumerate(zip(items, logprobs)):
             entry = {"prompt": [], "first": None}
@@ -123,14 +114,12 @@ class TargetEngine:
                 entry["first"] = token_logprobs(last_logits[b: b + 1], [first[b]], n)[0]
             out.append(entry)
             start += len(prompt)
-        return first, hidden, out
+        return Prefilled(first, hidden, out)
 
     @torch.inference_mode()
     def verify(self, items: list[tuple[str, list[int], torch.Tensor | None]], logprobs: list[int | None] | None = None):
-        """items: (request id, draft tokens [k], draft probs [k, V] or None)
-        -> accepted [B], emitted token lists, hidden rows of the accepted positions [sum(a+1), D];
-        with logprobs (per item top-n or None) a fourth result: per item a list of entries, one per
-        emitted token (empty for items that asked for none)."""
+        """items: (request id, draft tokens [k], draft probs [k, V] or None) -> Verified. logprobs: per item
+        top-n or None."""
         for rid, drafts, q in items:
             if rid not in self.requests:
                 raise ServiceError("FAILED_PRECONDITION", f"request {rid!r} is not running on the target "
@@ -196,10 +185,10 @@ class TargetEngine:
             keep_rows.append(torch.arange(int(starts[b]), int(starts[b]) + a + 1))
         rows = hidden[torch.cat(keep_rows).to(hidden.device)]
         if logprobs is None:
-            return accepted.tolist(), out_tokens, rows
+            return Verified(accepted.tolist(), out_tokens, rows)
         lps = [token_logprobs(logits[keep.to(logits.device)], toks, n) if n is not None else []
                for keep, toks, n in zip(keep_rows, out_tokens, logprobs)]
-        return accepted.tolist(), out_tokens, rows, lps
+        return Verified(accepted.tolist(), out_tokens, rows, lps)
 
     @torch.inference_mode()
     def recompute_rows(self, items: list[tuple[str, list[int]]]) -> torch.Tensor:

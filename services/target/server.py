@@ -10,18 +10,18 @@ import numpy as np
 import torch
 
 from services.bridge.channel import RowChannel
-from services.bridge.rows import ServiceError, check_sampling, describe
+from infra.errors import ServiceError
+from services.bridge.rows import describe
 from services.config import ServiceConfig
-from services.ranks import RankGroup, ServicerBase, run_service
-from services.target.engine import Sampling, TargetEngine
-from tandem import grpc_server, tracing
+from services.launch import run_service
+from services.ranks import RankGroup
+from services.servicer import ServicerBase
+from services.sampling import Sampling
+from services.target.engine import TargetEngine
+from infra import grpc_server, tracing
 from tandem.v1 import rows_pb2, target_pb2, target_pb2_grpc
 
 log = logging.getLogger("tandem.target")
-
-
-def sampling_from_pb(s: rows_pb2.SamplingParams) -> Sampling:
-    return Sampling(s.temperature, s.top_p, s.top_k, s.seed if s.HasField("seed") else None)
 
 
 def logprob_pb(entry: tuple[float, list[int], list[float]]) -> target_pb2.TokenLogprob:
@@ -77,22 +77,19 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
     def Prefill(self, request, context):
         def run():
             for it in request.items:
-                check_sampling(it.request_id, it.sampling)
                 self._limits(it)
-            items = [(it.request_id, list(it.prompt_token_ids), sampling_from_pb(it.sampling)) for it in request.items]
+            items = [(it.request_id, list(it.prompt_token_ids), Sampling.from_pb(it.request_id, it.sampling))
+                     for it in request.items]
             if not items:
                 raise ServiceError("INVALID_ARGUMENT", "items is empty")
             want = [(it.logprobs if it.HasField("logprobs") else None, it.prompt_logprobs) for it in request.items]
-            lps = None
             with tracing.span("target.prefill", requests=len(items), tokens=sum(len(i[1]) for i in items)):
-                if any(n is not None or p for n, p in want):
-                    first, hidden, lps = self.group.call("prefill", items, want)
-                else:
-                    first, hidden = self.group.call("prefill", items)
+                res = self.group.call(TargetEngine.prefill, items,
+                                      want if any(n is not None or p for n, p in want) else None)
             rows = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
-                              [len(i[1]) for i in items], hidden)
-            resp = target_pb2.PrefillResponse(first_token_ids=first, hidden_rows=rows)
-            for e in lps or []:
+                              [len(i[1]) for i in items], res.hidden)
+            resp = target_pb2.PrefillResponse(first_token_ids=res.first, hidden_rows=rows)
+            for e in res.logprobs or []:
                 resp.logprobs.add(prompt=[logprob_pb(x) for x in e["prompt"]],
                                   first_token=logprob_pb(e["first"]) if e["first"] else None)
             return resp
@@ -118,18 +115,15 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             t0 = time.perf_counter()
             with tracing.span("target.verify", requests=len(items),
                               draft_tokens=sum(len(i[1]) for i in items)) as span:
-                if any(n is not None for n in want):
-                    accepted, emitted, rows, lps = self.group.call("verify", items, want)
-                else:
-                    (accepted, emitted, rows), lps = self.group.call("verify", items), [[] for _ in items]
+                res = self.group.call(TargetEngine.verify, items, want if any(n is not None for n in want) else None)
                 if span is not None:
-                    span.set_attribute("accepted_tokens", sum(accepted))
+                    span.set_attribute("accepted_tokens", sum(res.accepted))
             compute_s = time.perf_counter() - t0
             results = [target_pb2.VerifyResult(num_accepted=a, emitted_token_ids=t,
                                                logprobs=[logprob_pb(x) for x in lp])
-                       for a, t, lp in zip(accepted, emitted, lps)]
+                       for a, t, lp in zip(res.accepted, res.emitted, res.logprobs or [[] for _ in items])]
             desc = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
-                              [a + 1 for a in accepted], rows)
+                              [a + 1 for a in res.accepted], res.rows)
             return target_pb2.VerifyResponse(results=results, hidden_rows=desc, timing=rows_pb2.CallTiming(
                 compute_seconds=compute_s, handler_seconds=time.perf_counter() - t0))
         return self._guard(context, run)
@@ -140,7 +134,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             if not items:
                 raise ServiceError("INVALID_ARGUMENT", "items is empty")
             with tracing.span("target.recompute_rows", requests=len(items), tokens=sum(len(t) for _, t in items)):
-                rows = self.group.call("recompute_rows", items)
+                rows = self.group.call(TargetEngine.recompute_rows, items)
             return target_pb2.RecomputeRowsResponse(hidden_rows=self._rows(
                 True, request.transport, [rid for rid, _ in items], [len(t) - 1 for _, t in items], rows))
         return self._guard(context, run)

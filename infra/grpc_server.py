@@ -22,9 +22,9 @@ def channel_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]
 def serve(register, service_names: list[str], host: str, port: int, workers: int = 4,
           max_bytes: int = MAX_MESSAGE_BYTES, tls=None) -> None:
     """Start a server with `register(server)`'s servicers plus health and reflection; block until
-    SIGINT/SIGTERM, then mark NOT_SERVING and stop with a grace period. `tls` (tandem.tls.TlsFiles):
+    SIGINT/SIGTERM, then mark NOT_SERVING and stop with a grace period. `tls` (infra.tls.TlsFiles):
     listen with TLS, and with its CA require client certificates (mutual TLS)."""
-    from tandem import tls as tls_mod, tracing
+    from infra import tls as tls_mod, tracing
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_bytes),
                          interceptors=tracing.server_interceptors())
     register(server)

@@ -1,0 +1,10 @@
+"""The error a service answers a request with: what the engines raise and the gRPC servers turn into a status."""
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """A request the service refuses; `code` is the grpc.StatusCode name it answers with."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code

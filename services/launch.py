@@ -1,0 +1,79 @@
+"""Building and starting a service: the one engine builder (model, KV cache, engine, CUDA graphs) that the
+services and every benchmark use, and a target or draft process's life (rank group, bridge, gRPC server)."""
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import torch
+
+from infra import grpc_server, tracing
+from models.kv_cache import index_scoring_for
+from models.parallel import ParallelState
+from models.presets import load_any
+from models.runner import new_cache
+from services.bridge.channel import RowChannel
+from services.config import parse, setup_torch
+from services.identity import model_identity
+from services.ranks import RankGroup, init_group, start_workers
+from services.servicer import hello
+
+log = logging.getLogger("tandem.launch")
+
+
+def build_engine(engine_cls, model_cls, model: str, device: str, dtype: torch.dtype, ps: ParallelState | None = None,
+                 num_blocks: int = 2048, block_size: int = 16, max_model_len: int = 4096, index_scoring: str = "auto",
+                 graphs: bool = True, graph_batch: int = 64, what: str = "tandem"):
+    """Model -> KV cache -> engine -> CUDA graphs, as every service and benchmark builds them. model: a
+    checkpoint directory or a random preset id; graphs: captured on CUDA (the draft's for each MTP layer)
+    up to graph_batch requests now (0: lazily)."""
+    try:
+        m = load_any(model_cls, model, ps=ps, dtype=dtype, device=device)
+    except ValueError as e:                    # layout errors: heads/experts not divisible, ...
+        raise SystemExit(f"{what}: {e}") from None
+    mc = m.cfg
+    cache = new_cache(m, num_blocks, block_size, index_scoring_for(index_scoring, device))
+    if mc.sparse_attention:
+        log.info("%s: DeepSeek sparse attention: index_topk %d, %d index heads of %d, %s scoring", what,
+                 mc.index_topk, mc.index_n_heads, mc.index_head_dim, cache.index_scoring)
+    engine = engine_cls(m, cache, min(max_model_len, mc.max_position_embeddings))
+    if graphs and str(device).startswith("cuda"):
+        from models import cuda_graphs
+        cuda_graphs.enable(engine, extra_rows=engine_cls.graph_row_inputs, warmup_batch=graph_batch)
+    return engine
+
+
+def run_service(role: str, argv: list[str], description: str, model_cls, engine_cls, make_servicer,
+                add_servicer, service_name: str) -> int:
+    """Start one target or draft process: rank 0 serves gRPC, the others replay its engine calls."""
+    cfg = parse(role, argv, description)
+    workers = start_workers(role, argv, cfg) if cfg.rank == 0 else []
+    try:
+        setup_torch(cfg)
+        ps = init_group(cfg)
+        engine = build_engine(engine_cls, model_cls, cfg.model, cfg.rank_device, cfg.torch_dtype, ps=ps,
+                              num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
+                              index_scoring=cfg.index_scoring, graphs=cfg.tp == 1 and not cfg.enforce_eager,
+                              graph_batch=cfg.cuda_graph_max_batch, what=f"tandem {role}")
+        group = RankGroup(engine, ps)
+        if cfg.rank > 0:
+            group.serve_worker()
+            return 0
+        backend = cfg.bridge_backend
+        log.info("%s: model identity %s (%s)", role, model_identity(cfg.model), cfg.model)
+        channel = RowChannel(cfg.bridge_addr, "sender" if role == "target" else "receiver", backend,
+                             cfg.rank_device, hello=hello(cfg), ipc_bytes=cfg.bridge_ipc_mib << 20) if backend else None
+        servicer = make_servicer(cfg, group, channel)
+        try:
+            tracing.setup(f"tandem-{role}", cfg.otlp_endpoint)
+            grpc_server.serve(lambda s: add_servicer(servicer, s), [service_name], cfg.host, cfg.port,
+                              max_bytes=cfg.max_message_bytes, tls=cfg.tls)
+        finally:
+            group.close()
+    finally:
+        for w in workers:
+            try:
+                w.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                w.kill()
+    return 0

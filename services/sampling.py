@@ -1,0 +1,38 @@
+"""One Sampling for both services: what a request asks of the sampler, read off the wire and checked once."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from infra.errors import ServiceError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0         # <= 0: greedy
+    top_p: float = 0.0               # 0: off
+    top_k: int = 0                   # 0: off
+    seed: int | None = None          # None: a random stream
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    @classmethod
+    def from_pb(cls, rid: str, s) -> "Sampling":
+        """A tandem.v1.SamplingParams, checked: temperature a finite number >= 0, top_p in [0, 1]."""
+        for name, v, ok in (("temperature", s.temperature, math.isfinite(s.temperature) and s.temperature >= 0),
+                            ("top_p", s.top_p, 0 <= s.top_p <= 1)):
+            if not ok:
+                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: sampling.{name} is {v}, expected "
+                                   + ("a finite number >= 0" if name == "temperature" else "a number in [0, 1]"))
+        return cls(s.temperature, s.top_p, s.top_k, s.seed if s.HasField("seed") else None)
+
+    def generator(self, stream: int = 0) -> torch.Generator:
+        """The request's CPU generator: seeded (seed + stream, so target and draft draw apart; wraps at 2**64)
+        or random."""
+        seed = (self.seed + stream) % (1 << 64) if self.seed is not None else int.from_bytes(os.urandom(8), "little")
+        return torch.Generator().manual_seed(seed >> 1 if self.seed is None else seed)

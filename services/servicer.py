@@ -1,0 +1,49 @@
+"""What the target and the draft answer alike: GetInfo (the InfoResponse the gateway compares), Release, and
+the hello their bridge exchanges."""
+from __future__ import annotations
+
+from infra import grpc_server
+from infra.errors import ServiceError
+from services.bridge.rows import CONTRACT_VERSION
+from services.config import ServiceConfig
+from services.identity import model_identity
+from tandem.v1 import common_pb2
+
+
+def service_info(cfg: ServiceConfig, engine, running: int):
+    """The InfoResponse both services answer GetInfo with (the gateway checks they agree)."""
+    mc = engine.model.cfg
+    reserved = getattr(engine.forward, "reserved_blocks", 0)     # CUDA graphs' scratch block: no request's
+    return common_pb2.InfoResponse(
+        model=cfg.model, vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
+        eos_token_ids=list(mc.eos_token_ids), max_model_len=engine.max_model_len,
+        kv_blocks_total=engine.cache.num_blocks - reserved, kv_blocks_free=engine.cache.num_free_blocks,
+        running_requests=running, contract_version=CONTRACT_VERSION,
+        num_nextn_predict_layers=mc.num_nextn_predict_layers, model_identity=model_identity(cfg.model),
+        index_topk=mc.index_topk or 0, index_scoring=engine.cache.index_scoring or "")
+
+
+def hello(cfg: ServiceConfig) -> dict:
+    """What target and draft exchange when their bridge connects (and report in GetInfo)."""
+    return {"model_identity": model_identity(cfg.model), "contract_version": CONTRACT_VERSION}
+
+
+class ServicerBase:
+    """Release and GetInfo, answered alike by the target and the draft. A subclass sets cfg, group,
+    engine and lock, and says how many requests it is running."""
+
+    def running(self) -> int:
+        raise NotImplementedError
+
+    def Release(self, request, context):
+        try:
+            with self.lock:
+                return common_pb2.ReleaseResponse(released=self.group.call(type(self.engine).release,
+                                                                           list(request.request_ids)))
+        except ServiceError as e:             # the rank group broke: UNAVAILABLE, not a traceback
+            grpc_server.abort(context, e.code, str(e))
+
+    def GetInfo(self, request, context):
+        if self.group.broken:                 # exiting to be restarted: not back for a gateway's check
+            grpc_server.abort(context, "UNAVAILABLE", self.group.broken)
+        return service_info(self.cfg, self.engine, self.running())
