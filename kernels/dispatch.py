@@ -20,12 +20,14 @@ import os
 import torch
 
 from kernels import dsa as _ref_dsa
+from kernels import mla as _ref_mla
 from kernels import rows as _ref_rows
 from kernels import speculative as _ref_spec
 from kernels.speculative import sampling_probs  # noqa: F401  (no Triton kernel: always the reference)
 
-__all__ = ["sampling_probs", "greedy_verify", "rejection_sample", "prepare_mtp_inputs", "pad_rows",
-           "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla", "attention_backend", "use_triton", "use_triton_forced",
+__all__ = ["sampling_probs", "greedy_verify", "rejection_sample", "pad_rows",
+           "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla", "paged_attention", "moe_path", "chain_verifier",
+           "attention_backend", "use_triton", "use_triton_forced",
            "triton_available", "mode"]
 
 ENV = "TANDEM_KERNELS"
@@ -89,6 +91,39 @@ def attention_backend(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor
     return "flashinfer" if flashinfer_mla.supported(q_lat, q_pe, ckv) else "triton"
 
 
+def paged_attention(q_lat, q_pe, batch, ckv, kpe, scale: float) -> torch.Tensor:
+    """q_lat: [N, h, R], q_pe: [N, h, P] over one layer's paged cache (batch: a models.kv_cache.AttentionBatch)
+    -> [N, h, R], on the batch's forced backend (CUDA graphs: triton) or the one attention_backend() picks."""
+    backend = batch.attention_backend or attention_backend(q_lat, q_pe, ckv)
+    if backend == "triton":
+        from kernels.triton_mla import mla_attention_triton
+        return mla_attention_triton(q_lat, q_pe, ckv, kpe, batch.block_tables, batch.token_request,
+                                    batch.positions, batch.context_lens, scale)
+    if backend == "flashinfer":
+        from kernels import flashinfer_mla
+        if "flashinfer" not in batch.plans:          # once per step, shared by every layer
+            ctx = [s + n for s, n in zip(batch.host_starts, batch.query_lens)]
+            batch.plans["flashinfer"] = flashinfer_mla.plan(
+                q_lat.device, batch.query_lens, ctx, batch.host_block_tables, q_lat.shape[1], q_lat.shape[2],
+                q_pe.shape[2], batch.block_size, scale, q_lat.dtype)
+        return flashinfer_mla.run(batch.plans["flashinfer"], q_lat, q_pe, ckv, kpe)
+    return _ref_mla.latent_attention(q_lat, q_pe, batch, ckv, kpe, scale)
+
+
+def moe_path(x: torch.Tensor) -> str:
+    """How a MoE layer runs its routed experts on x's device: 'triton' (the fused kernel: CUDA, or forced),
+    'dense' (every local expert over every token, weighted: no host sync, graph-safe, CUDA without Triton)
+    or 'loop' (tokens grouped per expert on the host: CPU)."""
+    return "triton" if use_triton(x) else "dense" if x.is_cuda else "loop"
+
+
+def chain_verifier(p: torch.Tensor, num_drafts: torch.Tensor, seeded: bool) -> str:
+    """Who verifies sampled drafts: 'flashinfer' (its fused chain speculative sampling, TANDEM_VERIFIER=flashinfer,
+    unseeded batches of equal K) or 'tandem' (rejection_sample below)."""
+    from kernels import flashinfer_sampling
+    return "flashinfer" if flashinfer_sampling.applies(p, num_drafts, seeded=seeded) else "tandem"
+
+
 def use_triton_forced(x: torch.Tensor) -> None:
     """Raise unless a Triton kernel can run on x (compiled on CUDA, or interpreted)."""
     if not triton_available():
@@ -138,15 +173,6 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft_ids: torch.Tensor, 
     if use_triton(p):
         return _spec().rejection_sample_triton(p, q, draft_ids, num_drafts, uniform, exp_noise)
     return _ref_spec.rejection_sample(p, q, draft_ids, num_drafts, uniform, exp_noise)
-
-
-def prepare_mtp_inputs(tokens: torch.Tensor, hidden: torch.Tensor, starts: torch.Tensor, num_rows: torch.Tensor,
-                       next_tokens: torch.Tensor, total_rows: int | None = None, max_rows: int | None = None):
-    """tokens [N], hidden [N, D], starts [B], num_rows [B], next_tokens [B] -> input_ids [R], rows [R, D].
-    total_rows / max_rows: host-known sizes that spare the Triton path a device read-back."""
-    if use_triton(hidden):
-        return _rows().prepare_mtp_inputs_triton(tokens, hidden, starts, num_rows, next_tokens, total_rows, max_rows)
-    return _ref_rows.prepare_mtp_inputs(tokens, hidden, starts, num_rows, next_tokens)
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Triton kernels that move hidden rows: MTP input preparation and the SP pad / shard / trim copies.
+"""Triton kernels that move hidden rows: the SP pad / shard / trim copies.
 
 Same semantics and outputs as kernels/rows.py (the reference they are tested against). Each program
 copies one [BLOCK_R, BLOCK_D] tile; the grid covers rows x columns, so there are no loops (and no
@@ -13,56 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rows import mtp_offsets
-
 BLOCK_R = 16
 BLOCK_D = 256
-
-
-@triton.jit
-def _mtp_inputs_kernel(tok_ptr, hid_ptr, start_ptr, nrows_ptr, next_ptr, off_ptr, ids_ptr, rows_ptr,
-                       s_hn, s_hd, s_rn, s_rd, D,
-                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)                             # request
-    i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)        # rows of this request
-    cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    start = tl.load(start_ptr + b).to(tl.int64)
-    n = tl.load(nrows_ptr + b)
-    o = tl.load(off_ptr + b)                                      # first output row of request b
-    keep = i < n
-    src = start + i                                               # row in the run
-    if tl.program_id(2) == 0:                                     # ids once per row, not per column block
-        after = tl.load(tok_ptr + src + 1, mask=keep & (i + 1 < n), other=0)
-        nxt = tl.load(next_ptr + b)
-        tl.store(ids_ptr + o + i, tl.where(i + 1 < n, after, nxt.to(after.dtype)), mask=keep)
-    m = keep[:, None] & (cols < D)[None, :]
-    x = tl.load(hid_ptr + src[:, None] * s_hn + cols[None, :] * s_hd, mask=m)
-    tl.store(rows_ptr + (o + i)[:, None] * s_rn + cols[None, :] * s_rd, x, mask=m)
-
-
-def prepare_mtp_inputs_triton(tokens: torch.Tensor, hidden: torch.Tensor, starts: torch.Tensor,
-                              num_rows: torch.Tensor, next_tokens: torch.Tensor,
-                              total_rows: int | None = None, max_rows: int | None = None):
-    """tokens [N], hidden [N, D], starts [B], num_rows [B], next_tokens [B] -> input_ids [R], rows [R, D]
-    (kernels.rows.prepare_mtp_inputs). total_rows = sum(num_rows) and max_rows >= max(num_rows) size the
-    output and the grid; pass them when known on the host (verify: max_rows = K + 1), else they are read
-    back from the device (a sync)."""
-    dev = hidden.device
-    starts, num_rows, next_tokens = starts.to(dev), num_rows.to(dev), next_tokens.to(dev)
-    tokens = tokens.to(dev)
-    B, D = num_rows.shape[0], hidden.shape[1]
-    if total_rows is None:
-        total_rows = int(num_rows.sum()) if B else 0
-    if max_rows is None:
-        max_rows = int(num_rows.max()) if B else 0
-    input_ids = torch.empty(total_rows, dtype=tokens.dtype, device=dev)
-    rows = torch.empty(total_rows, D, dtype=hidden.dtype, device=dev)
-    if total_rows and max_rows and D:
-        grid = (B, triton.cdiv(max_rows, BLOCK_R), triton.cdiv(D, BLOCK_D))
-        _mtp_inputs_kernel[grid](tokens, hidden, starts, num_rows, next_tokens, mtp_offsets(num_rows),
-                                 input_ids, rows, *hidden.stride(), *rows.stride(), D,
-                                 BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
-    return input_ids, rows
 
 
 @triton.jit

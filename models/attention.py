@@ -5,9 +5,9 @@ values are never expanded. With W_UK, W_UV the two halves of kv_b_proj (per head
     score(q, j) = (q_nope W_UK) . c_kv[j] + q_pe . k_pe[j]
     out(q)      = (sum_j p_j c_kv[j]) W_UV^T
 
-Backends (kernels.dispatch.attention_backend; TANDEM_ATTENTION, else TANDEM_KERNELS): `latent_attention`
-below (PyTorch, the reference: CPU), kernels/triton_mla.py (CUDA), kernels/flashinfer_mla.py (CUDA,
-where FlashInfer imports and R = 512, P = 64).
+Backends (kernels.dispatch.paged_attention picks; TANDEM_ATTENTION, else TANDEM_KERNELS): kernels/mla.py
+(PyTorch, the reference: CPU), kernels/triton_mla.py (CUDA), kernels/flashinfer_mla.py (CUDA, where
+FlashInfer imports and R = 512, P = 64).
 
 CUDA graphs: the Triton path reads no tensor value on the host, so a forward can be captured. Kept
 static across replays (same storage, values rewritten in place before each replay): input ids and
@@ -77,7 +77,7 @@ class MLAttention(nn.Module):
         sparse = self.indexer is not None and self.indexer.enabled
         picks = self.indexer(x, q_latent, batch, kv) if sparse else None            # [N, topk] | None
         if picks is None:
-            out_lat = paged_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)   # [N, h, R]
+            out_lat = dispatch.paged_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)   # [N, h, R]
         else:                                                                     # only the selected keys
             out_lat = dispatch.sparse_mla(q_lat, q_pe, ckv, kpe, batch.block_tables, batch.token_request,
                                           picks, self.scale, batch.attention_backend)
@@ -102,38 +102,3 @@ class MLAttention(nn.Module):
             q, k, v.transpose(1, 2), is_causal=mask is None, attn_mask=None if mask is None else mask[:, None],
             scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, h * self.v_dim))
-
-
-def paged_attention(q_lat, q_pe, batch: AttentionBatch, ckv, kpe, scale: float) -> torch.Tensor:
-    """q_lat: [N, h, R], q_pe: [N, h, P] over this layer's cache -> [N, h, R], on the chosen backend."""
-    backend = batch.attention_backend or dispatch.attention_backend(q_lat, q_pe, ckv)
-    if backend == "triton":
-        from kernels.triton_mla import mla_attention_triton
-        return mla_attention_triton(q_lat, q_pe, ckv, kpe, batch.block_tables, batch.token_request,
-                                    batch.positions, batch.context_lens, scale)
-    if backend == "flashinfer":
-        from kernels import flashinfer_mla
-        if "flashinfer" not in batch.plans:          # once per step, shared by every layer
-            ctx = [s + n for s, n in zip(batch.host_starts, batch.query_lens)]
-            batch.plans["flashinfer"] = flashinfer_mla.plan(
-                q_lat.device, batch.query_lens, ctx, batch.host_block_tables, q_lat.shape[1], q_lat.shape[2],
-                q_pe.shape[2], batch.block_size, scale, q_lat.dtype)
-        return flashinfer_mla.run(batch.plans["flashinfer"], q_lat, q_pe, ckv, kpe)
-    return latent_attention(q_lat, q_pe, batch, ckv, kpe, scale)
-
-
-def latent_attention(q_lat, q_pe, batch: AttentionBatch, ckv, kpe, scale: float) -> torch.Tensor:
-    """Reference attention over the latent cache. q_lat: [N, h, R], q_pe: [N, h, P] -> [N, h, R]."""
-    B, Tmax = batch.mask.shape[:2]
-    N, h, R = q_lat.shape
-    P = q_pe.shape[-1]
-    ql = q_lat.new_zeros(B * Tmax, h, R).index_copy_(0, batch.query_pad_index, q_lat).view(B, Tmax, h, R)
-    qp = q_pe.new_zeros(B * Tmax, h, P).index_copy_(0, batch.query_pad_index, q_pe).view(B, Tmax, h, P)
-    C = ckv.view(-1, R)[batch.context_slots].to(ql.dtype)                    # [B, L, R]
-    K = kpe.view(-1, P)[batch.context_slots].to(qp.dtype)                    # [B, L, P]
-    scores = (torch.einsum("bthr,blr->bhtl", ql, C) + torch.einsum("bthp,blp->bhtl", qp, K)).float()
-    scores = scores * scale
-    scores = scores.masked_fill(~batch.mask[:, None], float("-inf"))
-    probs = scores.softmax(-1).to(C.dtype)
-    out = torch.einsum("bhtl,blr->bthr", probs, C).reshape(B * Tmax, h, R)
-    return out.index_select(0, batch.query_pad_index)

@@ -75,7 +75,7 @@ class AttentionBatch:
         ends = torch.tensor(self.query_lens, device=self.positions.device).cumsum(0)
         return ends - 1
 
-    # --- reference layout (PyTorch latent_attention): padded [B, Lmax] context, dense mask ----------
+    # --- reference layout (kernels/mla.py): padded [B, Lmax] context, dense mask ----------
     @property
     def context_slots(self) -> torch.Tensor:    # [B, Lmax] flat slots of each request's context (0-padded)
         return self._reference()[0]

@@ -12,14 +12,14 @@ import re
 import torch
 from torch import nn
 
+from kernels import dispatch
 from models.attention import MLAttention
 from models.config import ModelConfig
 from models.kv_cache import AttentionBatch, LayerKV, PagedKVCache
 from models.layers import (ParallelLMHead, ReplicatedLinear, RMSNorm, RotaryEmbedding,
                            VocabParallelEmbedding)
 from models.moe import DenseMLP, MoE
-from models.parallel import (ParallelState, SINGLE, all_gather_rows, pad_rows, reduce_scatter_rows,
-                             shard_rows)
+from models.parallel import ParallelState, SINGLE, all_gather_rows, reduce_scatter_rows
 
 # Test-only fault switch, read once at start: the MTP block skips its SP re-gather, so it returns
 # this rank's ceil(T_pad / tp) rows instead of T. The row contract must catch it loudly.
@@ -47,10 +47,11 @@ class DecoderLayer(nn.Module):
         g, tp = self.ps.tp_group, self.ps.tp_size
         n = x.shape[0]
         attn = self.self_attn(self.input_layernorm(x), batch, kv)                  # [N, D] partial sums
-        h = shard_rows(pad_rows(x, tp), self.ps) + reduce_scatter_rows(pad_rows(attn, tp), g, tp)  # [S, D]
+        h = dispatch.pad_shard_rows(x, tp, self.ps.tp_rank) + reduce_scatter_rows(dispatch.pad_rows(attn, tp), g, tp)
+        # h: [S, D], S = ceil(N / tp): this rank's rows
         normed = all_gather_rows(self.post_attention_layernorm(h), g, tp)          # [N_pad, D]
         h = h + reduce_scatter_rows(self.mlp(normed), g, tp)                         # [S, D]
-        return all_gather_rows(h, g, tp)[:n] if gather else h
+        return dispatch.trim_rows(all_gather_rows(h, g, tp), n) if gather else h
 
 
 class DeepseekV3Model(nn.Module):

@@ -118,11 +118,12 @@ class MoE(nn.Module):
 
     def routed(self, x, weights, ids) -> torch.Tensor:
         # x: [N, D], weights: [N, k] fp32, ids: [N, k] global expert ids -> [N, D] (this rank's experts)
-        if dispatch.use_triton(x):
+        path = dispatch.moe_path(x)
+        if path == "triton":
             from kernels.triton_moe import fused_moe_triton
             w13, w2 = self.prepare_for_kernels()
             return fused_moe_triton(x, w13, w2, weights, ids, self.local.start)
-        if x.is_cuda:
+        if path == "dense":
             return self._routed_dense(x, weights, ids)
         k = ids.shape[1]
         flat = ids.flatten()

@@ -33,17 +33,6 @@ class ParallelState:
 SINGLE = ParallelState()
 
 
-def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    # x: [N, D] -> [ceil(N / multiple) * multiple, D], zero rows appended
-    extra = -x.shape[0] % multiple
-    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])]) if extra else x
-
-
-def shard_rows(x: torch.Tensor, ps: "ParallelState") -> torch.Tensor:
-    # x: [N_pad, D] identical on all TP ranks -> this rank's [N_pad / tp, D]
-    return x.chunk(ps.tp_size, 0)[ps.tp_rank] if ps.tp_size > 1 else x
-
-
 def all_reduce(x: torch.Tensor, group, size: int) -> torch.Tensor:
     if size > 1:
         dist.all_reduce(x, group=group)

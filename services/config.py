@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from infra.defaults import HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_PORTS = {"target": 50052, "draft": 50053}
 DEFAULT_DIST_ADDRS = {"target": "127.0.0.1:29660", "draft": "127.0.0.1:29670"}
@@ -48,7 +50,7 @@ class ServiceConfig:
     tls_key: str = ""
     tls_ca: str = ""                 # with a CA: clients must present a certificate it signed (mutual TLS)
     max_message_bytes: int = 256 << 20   # largest gRPC message received or sent (inline rows included)
-    max_draft_tokens: int = 16       # per request: Propose's num_draft_tokens / Verify's draft_token_ids
+    max_draft_tokens: int = MAX_DRAFT_TOKENS   # per request: Propose's num_draft_tokens / Verify's draft_token_ids
     max_logprobs: int = 20           # target: top-n alternatives a Prefill / Verify item may ask for
     random_config: str = ""          # a models/presets.py preset with random weights instead of --model
     seed: int = 0                    # --random-config: the weights' seed (target and draft must agree)
@@ -80,8 +82,8 @@ class ServiceConfig:
             if not ok:
                 raise SystemExit(f"tandem {self.role}: {msg}")
         need(self.dtype in DTYPES, f"--dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        need(self.hidden_transport in ("auto", "gloo", "nccl", "ipc", "inline"),
-             f"--hidden-transport must be auto|gloo|nccl|ipc|inline, got {self.hidden_transport!r}")
+        need(self.hidden_transport in HIDDEN_TRANSPORTS,
+             f"--hidden-transport must be {'|'.join(HIDDEN_TRANSPORTS)}, got {self.hidden_transport!r}")
         need(not self.device.startswith("cuda") or torch.cuda.is_available(), "--device cuda but CUDA is not available")
         need(self.bridge_backend not in ("nccl", "ipc") or self.device.startswith("cuda"),
              f"--hidden-transport {self.hidden_transport} needs --device cuda")

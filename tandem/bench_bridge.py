@@ -14,6 +14,7 @@ import argparse
 import statistics
 import time
 
+from infra.defaults import NUM_SPECULATIVE_TOKENS
 from tandem.bench import write_results
 
 
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (NCCL, cuda:0 -> cuda:1) | cpu (gloo)")
     p.add_argument("--batches", default="1,8,32")
-    p.add_argument("-k", type=int, default=3, help="draft tokens per round: K+1 rows per request")
+    p.add_argument("-k", type=int, default=NUM_SPECULATIVE_TOKENS, help="draft tokens per round: K+1 rows per request")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=20)

@@ -18,6 +18,8 @@ import statistics
 
 import torch
 
+from infra.defaults import NUM_SPECULATIVE_TOKENS
+
 from tandem.bench import write_results
 from tandem.bench_floor import _timed, copy_bandwidth
 
@@ -83,7 +85,7 @@ def time_core(model, cache, ids, k: int, sparse: bool, warmup: int, iters: int) 
     paged MLA over every key; sparse, index scores over every index key, top-k, MLA over the picks."""
     from kernels import dispatch
     from kernels.dsa import quantize_pow2, topk_indices
-    from models.attention import paged_attention
+    from kernels.dispatch import paged_attention
     cfg, dev = model.cfg, cache.device
     attn = model.model.layers[0].self_attn
     batch = cache.prepare(ids, [k + 1] * len(ids))
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--contexts", default="8192,32768", help="cached positions per request")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("-k", type=int, default=3, help="draft tokens per verify (K + 1 rows per request)")
+    p.add_argument("-k", type=int, default=NUM_SPECULATIVE_TOKENS, help="draft tokens per verify (K + 1 rows per request)")
     p.add_argument("--index-scoring", default="auto", choices=["auto", "exact", "deployed"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)

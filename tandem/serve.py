@@ -16,6 +16,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from infra.defaults import HIDDEN_TRANSPORTS, NUM_SPECULATIVE_TOKENS, transport_misfit
 from tandem.supervise import Supervisor
 
 
@@ -39,13 +40,13 @@ def parse(argv):
     from models.tiny import default_model
     p = argparse.ArgumentParser(prog="tandem serve", description=__doc__)
     p.add_argument("--model", default=None)
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=3)
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=NUM_SPECULATIVE_TOKENS)
     p.add_argument("--device", default="cpu", help="cpu | cuda (target on cuda:0, draft on cuda:1 if present)")
     p.add_argument("--draft-device", default="", help="the draft's device, e.g. cuda:0 to share the target's GPU "
                    "(hidden rows then move by CUDA IPC); default: cuda:1 with --device cuda and two GPUs, else "
                    "the target's")
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--hidden-transport", default="auto", choices=["auto", "gloo", "nccl", "ipc", "inline"],
+    p.add_argument("--hidden-transport", default="auto", choices=HIDDEN_TRANSPORTS,
                    help="auto: NCCL between two GPUs, CUDA IPC on one GPU, gloo on CPU")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051, help="the gateway's public gRPC port")
@@ -110,12 +111,9 @@ def placement(a) -> tuple[str, str]:
     else:
         d_dev = t_dev
     cuda = t_dev.startswith("cuda") and d_dev.startswith("cuda")
-    if a.hidden_transport == "nccl" and (not cuda or t_dev == d_dev):
-        raise SystemExit(f"tandem serve: --hidden-transport nccl needs target and draft on two different GPUs, "
-                         f"got target {t_dev}, draft {d_dev} (use auto or ipc on one GPU)")
-    if a.hidden_transport == "ipc" and (not cuda or t_dev != d_dev):
-        raise SystemExit(f"tandem serve: --hidden-transport ipc needs target and draft on the same GPU, "
-                         f"got target {t_dev}, draft {d_dev} (use auto or nccl across GPUs)")
+    misfit = transport_misfit(a.hidden_transport, cuda, same_gpu=t_dev == d_dev)
+    if misfit:
+        raise SystemExit(f"tandem serve: {misfit}; got target {t_dev}, draft {d_dev}")
     return t_dev, d_dev
 
 

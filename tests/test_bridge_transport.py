@@ -148,10 +148,11 @@ def test_serve_passes_ipc_to_the_services_and_checks_the_placement(monkeypatch):
                                                             "--hidden-transport", "ipc"]))}
     assert flags(cmds["target"], "--hidden-transport") == flags(cmds["draft"], "--hidden-transport") == "ipc"
     assert flags(cmds["gateway"], "--hidden-transport") == "auto"      # the gateway only asks for the bridge
-    with pytest.raises(SystemExit, match="ipc needs target and draft on the same GPU, got target cuda:0, draft cuda:1"):
+    with pytest.raises(SystemExit, match=r"ipc hidden transport needs target and draft on the same GPU.*; got target "
+                                         "cuda:0, draft cuda:1"):
         serve.commands(serve.parse(["--device", "cuda", "--hidden-transport", "ipc"]))
-    with pytest.raises(SystemExit, match="nccl needs target and draft on two different GPUs, got target cuda:0, "
-                                         "draft cuda:0"):
+    with pytest.raises(SystemExit, match=r"nccl hidden transport needs target and draft on two different GPUs.*; got "
+                                         "target cuda:0, draft cuda:0"):
         serve.commands(serve.parse(["--device", "cuda", "--draft-device", "cuda:0", "--hidden-transport", "nccl"]))
 
 

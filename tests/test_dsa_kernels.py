@@ -24,7 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from kernels import dsa  # noqa: E402
 from kernels.triton_dsa import index_scores_triton, sparse_mla_triton  # noqa: E402
-from models.attention import latent_attention  # noqa: E402
+from kernels.mla import latent_attention  # noqa: E402
 from models.kv_cache import PagedKVCache  # noqa: E402
 from triton_cubin import compile_for_gpu  # noqa: E402
 

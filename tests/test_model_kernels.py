@@ -1,5 +1,5 @@
 """The model's Triton kernels against their PyTorch references: paged MLA attention (kernels/triton_mla.py
-vs models.attention.latent_attention) and the fused MoE (kernels/triton_moe.py vs MoE's expert loop),
+vs kernels/mla.py) and the fused MoE (kernels/triton_moe.py vs MoE's expert loop),
 then a whole tiny model's greedy decoding on the Triton path, and (CUDA) a forward captured in a graph.
 
 Same two backends as tests/test_triton_kernels.py: `interp` runs the kernels on CPU tensors under
@@ -26,7 +26,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from kernels import dispatch, flashinfer_mla  # noqa: E402
 from kernels.triton_mla import mla_attention_triton  # noqa: E402
 from kernels.triton_moe import fused_moe_triton, moe_align  # noqa: E402
-from models.attention import latent_attention  # noqa: E402
+from kernels.mla import latent_attention  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.kv_cache import PagedKVCache  # noqa: E402
 from models.loader import build  # noqa: E402

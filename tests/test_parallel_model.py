@@ -25,8 +25,9 @@ from models.config import ModelConfig
 from models.loader import build, load_model
 from models.model import DraftModel, TargetModel
 from models.moe import MoE
-from models.parallel import (SINGLE, ParallelState, all_gather_rows, pad_rows, reduce_scatter_rows,
-                             shard_rows)
+from kernels.dispatch import pad_rows
+from kernels.rows import shard_rows
+from models.parallel import SINGLE, ParallelState, all_gather_rows, reduce_scatter_rows
 from models.runner import forward_tokens, new_cache
 from models.tiny import TINY_CONFIG, make_tiny
 
@@ -84,7 +85,7 @@ def check_row_collectives(ps: ParallelState) -> None:
         padded = pad_rows(x, tp)                                                 # [T_pad, 5]
         T_pad = math.ceil(T / tp) * tp
         assert padded.shape == (T_pad, 5) and torch.equal(padded[:T], x) and not padded[T:].any()
-        mine = shard_rows(padded, ps)                                            # [T_pad / tp, 5]
+        mine = shard_rows(padded, ps.tp_size, ps.tp_rank)                                            # [T_pad / tp, 5]
         assert torch.equal(mine, padded[ps.tp_rank * (T_pad // tp):(ps.tp_rank + 1) * (T_pad // tp)])
         assert torch.equal(all_gather_rows(mine, ps.tp_group, tp)[:T], x), f"all-gather round trip, T={T}"
         partial = pad_rows(x * (ps.tp_rank + 1), tp)                            # partial sums: x, 2x
@@ -260,7 +261,7 @@ def test_pad_shard_trim_round_trip(T, tp):
     x = torch.randn(T, 6, generator=torch.Generator().manual_seed(T))
     padded = pad_rows(x, tp)
     assert padded.shape[0] == math.ceil(T / tp) * tp and torch.equal(padded[:T], x) and not padded[T:].any()
-    shards = [shard_rows(padded, ParallelState(tp_rank=r, tp_size=tp)) for r in range(tp)]
+    shards = [shard_rows(padded, tp, r) for r in range(tp)]
     assert {s.shape[0] for s in shards} == {math.ceil(T / tp)}
     assert torch.equal(torch.cat(shards)[:T], x)
     if tp == 1:                     # one rank: the collectives are the identity

@@ -41,13 +41,12 @@ import torch
 import torch.distributed as dist
 
 from services.bridge.ipc import DEFAULT_CAPACITY, IpcReceiver, IpcSender, error_answer
+from services.bridge.rows import DTYPE_TO_PB, PB_TO_DTYPE
 from services.bridge.transport import TRANSPORTS, choose_transport, endpoint
 from services.rendezvous import tcp_store
 
 log = logging.getLogger("tandem.bridge")
 PARK_TTL_S = 120.0
-_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-_CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
 
 
 class HandshakeError(RuntimeError):
@@ -174,7 +173,7 @@ class RowChannel:
             with self._lock, _on(self._stream):
                 if ready is not None:
                     self._stream.wait_event(ready)
-                self._ipc.push(transfer_id, rows.detach().to(self.device), _DTYPE_CODE[rows.dtype], self._stream)
+                self._ipc.push(transfer_id, rows.detach().to(self.device), DTYPE_TO_PB[rows.dtype], self._stream)
             return
         with self._lock:
             now = time.monotonic()
@@ -199,7 +198,7 @@ class RowChannel:
             n += 1
 
     def _send_frame(self, n: int, tid: int, rows: torch.Tensor) -> None:
-        code = _DTYPE_CODE[rows.dtype]
+        code = DTYPE_TO_PB[rows.dtype]
         row_bytes = rows.shape[1] * rows.element_size()
         payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], row_bytes).to(self._wire)
         header = torch.tensor([tid, payload.shape[0], row_bytes, code], dtype=torch.int64, device=self._wire)
@@ -223,7 +222,7 @@ class RowChannel:
                                   f"(overwritten by a later transfer, or never sent)")
             payload, code = got
             payload.record_stream(torch.cuda.current_stream(payload.device))
-            dtype = _CODE_DTYPE[code]
+            dtype = PB_TO_DTYPE[code]
             return payload.view(dtype).reshape(payload.shape[0], payload.shape[1] // dtype.itemsize)
         with self._lock:                              # one pull at a time, in order
             n = self._pulls
@@ -242,7 +241,7 @@ class RowChannel:
             if tid != transfer_id:                    # the channel is out of step: never use it again
                 self.error = f"pulled transfer {transfer_id}, received frame {tid}"
                 raise TimeoutError(f"hidden rows bridge: {self.error}")
-        dtype = _CODE_DTYPE[code]
+        dtype = PB_TO_DTYPE[code]
         return payload.view(dtype).reshape(n_rows, row_bytes // dtype.itemsize).to(self.device)
 
     def _wait(self, key: str, timeout_s: float, what: str, transfer_id: int) -> bytes:

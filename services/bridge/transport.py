@@ -7,9 +7,10 @@ import socket
 
 import torch
 
+from infra.defaults import BRIDGE_TRANSPORTS, transport_misfit
 from services.bridge.ipc import device_uuid
 
-TRANSPORTS = ("auto", "gloo", "nccl", "ipc")     # what a side may ask for (inline: no channel at all)
+TRANSPORTS = BRIDGE_TRANSPORTS                  # what a side may ask for (inline: no channel at all)
 
 
 class TransportError(RuntimeError):
@@ -43,10 +44,7 @@ def choose_transport(sender: dict, receiver: dict) -> str:
     same_process = sender["process"] == receiver["process"]
     if want == "auto":
         return "gloo" if not cuda or (same_gpu and same_process) else "ipc" if same_gpu else "nccl"
-    if want == "nccl" and (not cuda or same_gpu):
-        raise TransportError("the nccl hidden transport needs target and draft on two different GPUs "
-                             f"(NCCL refuses two ranks on one GPU; use auto or ipc there): {both}")
-    if want == "ipc" and (not same_gpu or same_process):
-        raise TransportError("the ipc hidden transport needs target and draft on the same GPU in two "
-                             f"processes (use auto or nccl across GPUs): {both}")
+    misfit = transport_misfit(want, cuda, same_gpu, same_process)
+    if misfit:
+        raise TransportError(f"{misfit}: {both}")
     return want

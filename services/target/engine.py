@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import flashinfer_sampling
-from kernels.dispatch import greedy_verify, rejection_sample, sampling_probs
+from kernels.dispatch import chain_verifier, greedy_verify, rejection_sample, sampling_probs
 from models.kv_cache import CacheFullError, PagedKVCache
 from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
@@ -162,7 +162,7 @@ class TargetEngine:
                     q[b, : len(d)] = qb.to(dev)
                 else:                                                               # greedy draft: one-hot
                     q[b, torch.arange(len(d), device=dev), drafts[b, : len(d)]] = 1.0
-            if flashinfer_sampling.applies(p, k, seeded=any(r.sampling.seed is not None for r in reqs)):
+            if chain_verifier(p, k, seeded=any(r.sampling.seed is not None for r in reqs)) == "flashinfer":
                 accepted, emitted = flashinfer_sampling.chain_verify(p, q, drafts)   # TANDEM_VERIFIER=flashinfer
             else:
                 # draws per request depend only on its own k, so a seeded stream ignores its batch-mates
