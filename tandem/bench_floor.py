@@ -130,10 +130,9 @@ def table(rows: list[dict], bw: float) -> str:
 
 
 def main(argv=None) -> int:
-    from models.kv_cache import index_scoring_for
-    from models.runner import new_cache
+    from services.launch import build_engine
     from models.model import TargetModel
-    from models.presets import load_any, random_model_id
+    from models.presets import random_model_id
     from services.config import DTYPES
     from services.target.engine import TargetEngine
     from models.tiny import default_model
@@ -159,14 +158,11 @@ def main(argv=None) -> int:
     dtype = DTYPES[a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
     model_id = random_model_id(a.random_config, a.seed) if a.random_config else str(a.model or default_model())
     bw = copy_bandwidth(device, (a.copy_mib or (2048 if device.startswith("cuda") else 64)) << 20)
-    model = load_any(TargetModel, model_id, dtype=dtype, device=device)
     batches, ks = [int(x) for x in a.batches.split(",")], [int(x) for x in a.ks.split(",")]
     blocks = max(batches) * -(-(a.prompt_tokens + (a.warmup + a.iters) * (max(ks) + 1) + 16) // 16) + 8
-    cache = new_cache(model, blocks, 16, index_scoring_for("auto", device))
-    engine = TargetEngine(model, cache, model.cfg.max_position_embeddings)
-    if device.startswith("cuda") and not a.enforce_eager:        # time the step as the target serves it
-        from models import cuda_graphs
-        cuda_graphs.enable(engine)
+    engine = build_engine(TargetEngine, TargetModel, model_id, device, dtype, num_blocks=blocks,   # as served
+                          max_model_len=1 << 30, graphs=not a.enforce_eager, graph_batch=0, what="tandem bench floor")
+    model = engine.model
     rows = [measure(engine, b, k, a.prompt_tokens, a.warmup, a.iters, bw, seed=b * 100 + k)
             for b in batches for k in ks]
     params = sum(p.numel() for p in model.parameters())

@@ -30,23 +30,17 @@ def service_devices(device: str) -> tuple[str, str]:
 
 def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_blocks: int = 2048,
                  synthetic_acceptance: float | None = None, eager: bool = False) -> tuple[TargetEngine, DraftEngine]:
-    from models.kv_cache import index_scoring_for
+    """Target and draft engines placed and built as the services build them (services/launch.py)."""
     from models.model import DraftModel, TargetModel
-    from models.runner import new_cache
-    from models.presets import load_any
     from services.config import DTYPES
+    from services.launch import build_engine
     dt = DTYPES[dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
     t_dev, d_dev = service_devices(device)
-    engines = []
-    for cls, dev, engine_cls in ((TargetModel, t_dev, TargetEngine), (DraftModel, d_dev, DraftEngine)):
-        m = load_any(cls, model, dtype=dt, device=dev)
-        cache = new_cache(m, num_blocks, 16, index_scoring_for("auto", dev))
-        engines.append(engine_cls(m, cache, min(4096, m.cfg.max_position_embeddings)))
-        if dev.startswith("cuda") and not eager:                 # as the services run it
-            from models import cuda_graphs
-            cuda_graphs.enable(engines[-1], extra_rows=int(engine_cls is DraftEngine))
-    engines[0].synthetic_acceptance = synthetic_acceptance
-    return engines[0], engines[1]
+    te, de = (build_engine(engine_cls, model_cls, model, dev, dt, num_blocks=num_blocks, graphs=not eager,
+                           graph_batch=0, what="tandem bench inprocess")
+              for engine_cls, model_cls, dev in ((TargetEngine, TargetModel, t_dev), (DraftEngine, DraftModel, d_dev)))
+    te.synthetic_acceptance = synthetic_acceptance
+    return te, de
 
 
 @dataclass
