@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from gateway.auth import ApiKeyInterceptor
 from gateway.core import GenerationError, Gateway, Limits, NoTokenizer, RequestError
-from gateway.http import HttpServer
+from gateway.http_server import HttpServer
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import GenRequest, Scheduler
 from gateway import watch
