@@ -10,6 +10,9 @@ draft as new: position 0, all committed tokens, one row per token but the last.
 
 Invariant: a request proposes again only after all three steps; until then it decodes without
 drafts (its tokens come from the target either way, so greedy output equals K = 0 throughout).
+
+It reaches the services only through the scheduler's stubs (Release, RecomputeRows: gateway/stubs.py)
+and reports through the scheduler's public fault methods (fail, draft_lost, target_lost).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from gateway.stubs import CONTRACT_CODES
 from tandem.v1 import target_pb2
 
 if TYPE_CHECKING:
@@ -26,9 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.gateway")
 RESYNC_TOKENS = 8192          # committed tokens per RecomputeRows call (bounds its scratch cache and message)
-# a service's answer that the gateway broke the contract (its committed tokens or rows disagree with the
-# service's): the requests fail with it, where any other failure of the draft only costs speed
-CONTRACT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 def chunks(reqs: list[GenRequest], limit: int = RESYNC_TOKENS) -> list[list[GenRequest]]:

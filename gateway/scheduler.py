@@ -22,7 +22,8 @@ import grpc
 
 from gateway.availability import Availability
 from gateway.request import Event, GenRequest, Observer, SpecStats  # noqa: F401 (re-exported)
-from gateway.resync import CONTRACT_CODES, resync
+from gateway.resync import resync
+from gateway.stubs import CONTRACT_CODES, DraftStub, TargetStub
 from tandem import tracing
 from tandem.v1 import draft_pb2, rows_pb2, target_pb2
 
@@ -30,7 +31,12 @@ log = logging.getLogger("tandem.gateway")
 
 
 class Scheduler:
-    def __init__(self, target, draft, eos_ids: set[int], max_batch: int = 64, rpc_timeout_s: float = 60.0,
+    """The rounds of one gateway. It reaches the services only through `target` and `draft` (None: no
+    speculation), objects with the methods of gateway/stubs.py: grpc.aio stubs when serving, or
+    in-process objects with the same async methods. `run()` loops forever; `step()` is one pass:
+    expire, re-sync, Prefill the newcomers, one round."""
+
+    def __init__(self, target: TargetStub, draft: DraftStub | None, eos_ids: set[int], max_batch: int = 64, rpc_timeout_s: float = 60.0,
                  transport: int = rows_pb2.TRANSPORT_UNSPECIFIED, observer: Observer | None = None,
                  draft_timeout_s: float = 10.0, max_waiting: int = 0):
         self.target, self.draft, self.eos = target, draft, eos_ids
@@ -163,38 +169,14 @@ class Scheduler:
             self._commit(r, [tok], [lp.first_token] if lp is not None and r.logprobs is not None else [])
 
     async def _round(self, batch: list[GenRequest]) -> None:
-        drafts: dict[str, draft_pb2.ProposeResult] = {}
+        """One speculative round over the running batch: Propose for the requests the draft speculates
+        for, Verify every request (with no drafts for the others), commit the target's tokens."""
         spec = [r for r in batch if r.draft.speculate]
         round_t0 = time.perf_counter()
         split = {"propose": 0.0, "transfer": 0.0, "draft_compute": 0.0}   # round split (metrics)
-        if spec:
-            sets = {id(r.draft.rows): r.draft.rows for r in spec}
-            preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
-                request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.k, sampling=r.sampling,
-                position=r.draft.position) for r in spec], hidden_rows=list(sets.values()))
-            t0 = time.perf_counter()
-            timeout, by_deadlines = self._budget(spec, self.draft_timeout)
-            try:
-                with tracing.phase("propose", [r.span for r in spec], requests=len(spec)):
-                    presp = await self.draft.Propose(preq, timeout=timeout)
-            except grpc.aio.AioRpcError as e:
-                if e.code() in CONTRACT_CODES:
-                    for r in batch:
-                        self.fail(r, e.code(), f"draft Propose: {e.details()}")
-                    return
-                split["propose"] = time.perf_counter() - t0     # a failed Propose's wall is not the gateway's
-                for r in spec:                 # the draft's state of them is unknown: re-sync later
-                    r.draft.lost()
-                if not (by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):   # else: they expire
-                    self.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})",
-                                    restarted=e.code() == grpc.StatusCode.UNAVAILABLE)
-            else:
-                self.avail.draft_proposed()
-                split.update(propose=time.perf_counter() - t0, transfer=presp.timing.transfer_seconds,
-                             draft_compute=presp.timing.compute_seconds)
-                for r, res in zip(spec, presp.results):
-                    drafts[r.id] = res
-                    r.draft.proposed()
+        drafts = await self._propose(batch, spec, split) if spec else {}
+        if drafts is None:
+            return
         vreq = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
             request_id=r.id, draft_token_ids=drafts[r.id].draft_token_ids if r.id in drafts else [],
             draft_probs=drafts[r.id].draft_probs if r.id in drafts else b"", logprobs=r.logprobs) for r in batch],
@@ -216,6 +198,41 @@ class Scheduler:
         split["round"] = time.perf_counter() - round_t0
         split["gateway"] = split["round"] - split["propose"] - split["verify"]
         self.obs.round_split(split)
+
+    async def _propose(self, batch: list[GenRequest], spec: list[GenRequest],
+                       split: dict[str, float]) -> dict[str, draft_pb2.ProposeResult] | None:
+        """The drafts for `spec` (the speculating part of `batch`) by request id, their times in `split`.
+        {} when the Propose failed: the round goes on without drafts. None when the draft answered
+        with a contract error: every request of the round has failed with it."""
+        sets = {id(r.draft.rows): r.draft.rows for r in spec}
+        preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
+            request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.k, sampling=r.sampling,
+            position=r.draft.position) for r in spec], hidden_rows=list(sets.values()))
+        t0 = time.perf_counter()
+        timeout, by_deadlines = self._budget(spec, self.draft_timeout)
+        try:
+            with tracing.phase("propose", [r.span for r in spec], requests=len(spec)):
+                presp = await self.draft.Propose(preq, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in CONTRACT_CODES:
+                for r in batch:
+                    self.fail(r, e.code(), f"draft Propose: {e.details()}")
+                return None
+            split["propose"] = time.perf_counter() - t0     # a failed Propose's wall is not the gateway's
+            for r in spec:                 # the draft's state of them is unknown: re-sync later
+                r.draft.lost()
+            if not (by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):   # else: they expire
+                self.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})",
+                                restarted=e.code() == grpc.StatusCode.UNAVAILABLE)
+            return {}
+        self.avail.draft_proposed()
+        split.update(propose=time.perf_counter() - t0, transfer=presp.timing.transfer_seconds,
+                     draft_compute=presp.timing.compute_seconds)
+        drafts = {}
+        for r, res in zip(spec, presp.results):
+            drafts[r.id] = res
+            r.draft.proposed()
+        return drafts
 
     @property
     def _speculating(self) -> bool:
@@ -276,7 +293,7 @@ class Scheduler:
             r.events.put_nowait(Event([], "", error=(code, message)))
             self._finish(r, None)
 
-    async def _release(self, stub, ids: list[str]) -> None:
+    async def _release(self, stub: TargetStub | DraftStub, ids: list[str]) -> None:
         try:
             await stub.Release(target_pb2.ReleaseRequest(request_ids=ids), timeout=10)
         except grpc.aio.AioRpcError as e:
