@@ -36,9 +36,9 @@ class Scheduler:
     in-process objects with the same async methods. `run()` loops forever; `step()` is one pass:
     expire, re-sync, Prefill the newcomers, one round."""
 
-    def __init__(self, target: TargetStub, draft: DraftStub | None, eos_ids: set[int], max_batch: int = 64, rpc_timeout_s: float = 60.0,
-                 transport: int = rows_pb2.TRANSPORT_UNSPECIFIED, observer: Observer | None = None,
-                 draft_timeout_s: float = 10.0, max_waiting: int = 0):
+    def __init__(self, target: TargetStub, draft: DraftStub | None, eos_ids: set[int], max_batch: int = 64,
+                 rpc_timeout_s: float = 60.0, transport: int = rows_pb2.TRANSPORT_UNSPECIFIED,
+                 observer: Observer | None = None, draft_timeout_s: float = 10.0, max_waiting: int = 0):
         self.target, self.draft, self.eos = target, draft, eos_ids
         self.obs = observer or Observer()
         self.max_batch, self.timeout, self.transport = max_batch, rpc_timeout_s, transport
