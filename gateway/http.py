@@ -1,6 +1,7 @@
 """The gateway's REST API: OpenAI-compatible completions and chat (vLLM's extensions: top_k, seed,
 ignore_eos, return_token_ids, /tokenize, /detokenize, /tokenizer_info), /v1/models, /health and
-/metrics. FastAPI on uvicorn, in the gateway's own event loop beside its gRPC server.
+/metrics. FastAPI on uvicorn (gateway/http_server.py), in the gateway's own event loop beside its
+gRPC server.
 
 Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}; 400 for bad values
 (naming the field), 401 without the API key on /v1/*, 404 for an unknown model, 503 when a service
@@ -9,15 +10,13 @@ fails, 500 for a bug.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import json
 import logging
 import secrets
-import socket
 import time
+from dataclasses import dataclass
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -34,14 +33,34 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
     return JSONResponse(api.error_body(message, status, param, code), status_code=status)
 
 
-def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | None, api_key: str) -> FastAPI:
-    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None, **fastapi_telemetry())
-    template = api.chat_template(gw.tokenizer_config)
-    special = {k: gw.tokenizer_config.get(k) or "" for k in ("bos_token", "eos_token", "pad_token")}
-    eos_ids = sorted(gw.scheduler.eos)
-    if not special["eos_token"] and eos_ids:
-        special["eos_token"] = gw.tokenizer.id_to_token(eos_ids[0]) or ""
+@dataclass(frozen=True)
+class ChatFormat:
+    """The checkpoint's chat template and special tokens, read once: chat, /tokenize, /tokenizer_info."""
+    template: str
+    special: dict[str, str]
 
+    @classmethod
+    def of(cls, gw: Gateway) -> "ChatFormat":
+        special = {k: gw.tokenizer_config.get(k) or "" for k in ("bos_token", "eos_token", "pad_token")}
+        eos_ids = sorted(gw.scheduler.eos)
+        if not special["eos_token"] and eos_ids:
+            special["eos_token"] = gw.tokenizer.id_to_token(eos_ids[0]) or ""
+        return cls(api.chat_template(gw.tokenizer_config), special)
+
+
+def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | None, api_key: str) -> FastAPI:
+    """The REST app: the API key and error shapes first, then each group of routes."""
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None, **fastapi_telemetry())
+    chat = ChatFormat.of(gw)
+    add_guards(app, api_key)
+    add_generation_routes(app, gw, chat)
+    add_tokenizer_routes(app, gw, chat)
+    add_operations_routes(app, gw, metrics, loop_task)
+    return app
+
+
+def add_guards(app: FastAPI, api_key: str) -> None:
+    """The API key on /v1/* (401) and the OpenAI-shaped error of every exception a route raises."""
     @app.middleware("http")
     async def authorize(request: Request, call_next):
         if api_key and request.url.path.startswith("/v1/"):
@@ -67,69 +86,30 @@ def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | 
         log.exception("%s %s failed", request.method, request.url.path)
         return error(500, f"internal error: {type(e).__name__}: {e}")
 
-    async def body(request: Request, cls):
-        raw = await read_limited(request, gw.limits.max_request_bytes)
-        try:
-            data = json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: nested too deep
-            raise RequestError(None, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
-        return api.parse(cls, data)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in (gw.model_name, gw.model_dir):
-            raise RequestError("model", f"The model `{name}` does not exist; this server serves "
-                                        f"`{gw.model_name}`.", status=404, code="model_not_found")
-
-    def start(requests_args: list[dict], req: api._Sampling, operation: str, request: Request):
-        """Validate every choice's request before any runs -> (GenRequests, span)."""
-        gw.admit(len(requests_args))          # 503 while the target is down, 429 when the queue is full
-        span = tracing.start_request_span(
-            f"{operation} {gw.model_name}", tracing.incoming(request.headers),
-            **{"gen_ai.operation.name": operation, "gen_ai.request.model": gw.model_name,
-               "gen_ai.request.max_tokens": requests_args[0]["max_tokens"],
-               "gen_ai.request.temperature": requests_args[0]["temperature"],
-               "gen_ai.request.top_p": requests_args[0]["top_p"], "gen_ai.request.top_k": requests_args[0]["top_k"],
-               "gen_ai.request.seed": req.seed, "gen_ai.request.choice.count": req.n})
-        try:
-            return [gw.new_request(span=span, **a) for a in requests_args], span
-        except BaseException:
-            tracing.finish(span)
-            raise
-
-    def expand(prompts, req, common: dict) -> list[dict]:
-        """One new_request argument set per (prompt, choice); choice j of a seeded request uses seed + j."""
-        return [dict(common, ids=ids, seed=None if req.seed is None else (req.seed + j) % UINT64)
-                for ids, _ in prompts for j in range(req.n)]
-
-    async def respond(shaper: CompletionShaper, span, stream: bool):
-        if stream:
-            return StreamingResponse(shaper.sse(span), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        try:
-            return JSONResponse(await shaper.collect())
-        finally:
-            shaper.finish_span(span)
-
+def add_generation_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
+    """/v1/completions, /v1/chat/completions and /v1/models."""
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await body(request, api.CompletionRequest)
-        check_model(req.model)
+        req = await parse_body(gw, request, api.CompletionRequest)
+        check_model(gw, req.model)
         prompts = api.completion_prompts(req, gw.encode)
         max_tokens = min(16, gw.limits.max_output_tokens or 16) if req.max_tokens is None else req.max_tokens
         if max_tokens == 0 and not req.echo:
             raise RequestError("max_tokens", "max_tokens: must be >= 1 (0 only with echo, to score the prompt)")
         common = dict(api.sampling_args(req, max_tokens), logprobs=req.logprobs,
                       prompt_logprobs=req.echo and req.logprobs is not None)
-        reqs, span = start(expand(prompts, req, common), req, "text_completion", request)
+        reqs, span = start(gw, expand(prompts, req, common), req, "text_completion", request)
         choices = [Choice(i, r, prompts[i // req.n][1]) for i, r in enumerate(reqs)]
         shaper = CompletionShaper(gw, choices, req, chat=False, num_prompts=len(prompts))
         return await respond(shaper, span, req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await body(request, api.ChatRequest)
-        check_model(req.model)
-        text = api.render_chat(template, req.messages, req.add_generation_prompt, special, req.chat_template_kwargs)
+        req = await parse_body(gw, request, api.ChatRequest)
+        check_model(gw, req.model)
+        text = api.render_chat(chat.template, req.messages, req.add_generation_prompt, chat.special,
+                               req.chat_template_kwargs)
         ids = gw.encode(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is not None and max_tokens < 1:
@@ -138,7 +118,7 @@ def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | 
             raise RequestError("top_logprobs", "top_logprobs: needs logprobs: true")
         common = dict(api.sampling_args(req, max_tokens),
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-        reqs, span = start(expand([(ids, text)], req, common), req, "chat", request)
+        reqs, span = start(gw, expand([(ids, text)], req, common), req, "chat", request)
         shaper = CompletionShaper(gw, [Choice(i, r, text) for i, r in enumerate(reqs)], req, chat=True,
                                   num_prompts=1)
         return await respond(shaper, span, req.stream)
@@ -149,20 +129,23 @@ def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | 
             "id": gw.model_name, "object": "model", "created": int(time.time()), "owned_by": "tandem",
             "root": gw.model_dir, "parent": None, "max_model_len": gw.limits.max_model_len}]}
 
+
+def add_tokenizer_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
+    """vLLM's /tokenizer_info, /tokenize and /detokenize."""
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         cfg = {k: v for k, v in gw.tokenizer_config.items() if k != "added_tokens_decoder"}
-        return {**cfg, **{k: v for k, v in special.items() if v}, "chat_template": template,
+        return {**cfg, **{k: v for k, v in chat.special.items() if v}, "chat_template": chat.template,
                 "model_max_length": gw.limits.max_model_len, "vocab_size": gw.limits.vocab_size,
                 "tokenizer_class": cfg.get("tokenizer_class", "PreTrainedTokenizerFast")}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        req = await body(request, api.TokenizeRequest)
+        req = await parse_body(gw, request, api.TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("prompt", "give exactly one of prompt or messages")
         if req.messages is not None:
-            text = api.render_chat(template, req.messages, req.add_generation_prompt, special)
+            text = api.render_chat(chat.template, req.messages, req.add_generation_prompt, chat.special)
             ids = gw.encode(text, add_special_tokens=bool(req.add_special_tokens))
         else:
             ids = gw.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
@@ -171,12 +154,15 @@ def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | 
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        req = await body(request, api.DetokenizeRequest)
+        req = await parse_body(gw, request, api.DetokenizeRequest)
         bad = [t for t in req.tokens if not 0 <= t < gw.limits.vocab_size]
         if bad:
             raise RequestError("tokens", f"tokens: id {bad[0]} is out of range, vocab_size is {gw.limits.vocab_size}")
         return {"prompt": gw.decode(req.tokens)}
 
+
+def add_operations_routes(app: FastAPI, gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | None) -> None:
+    """/health (503 with the reason when the gateway cannot serve), /metrics and /ping: open, no API key."""
     @app.get("/health")
     async def health():
         reasons = []
@@ -206,7 +192,55 @@ def build_app(gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | 
     async def ping():
         return PlainTextResponse("pong")
 
-    return app
+
+# --- what the generation routes share ----------------------------------------------------------------
+async def parse_body(gw: Gateway, request: Request, cls):
+    """The JSON body parsed into the request model `cls`; a RequestError (400, 413) when it is not one."""
+    raw = await read_limited(request, gw.limits.max_request_bytes)
+    try:
+        data = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: nested too deep
+        raise RequestError(None, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
+    return api.parse(cls, data)
+
+
+def check_model(gw: Gateway, name: str | None) -> None:
+    if name is not None and name not in (gw.model_name, gw.model_dir):
+        raise RequestError("model", f"The model `{name}` does not exist; this server serves "
+                                    f"`{gw.model_name}`.", status=404, code="model_not_found")
+
+
+def start(gw: Gateway, requests_args: list[dict], req: api._Sampling, operation: str, request: Request):
+    """Validate every choice's request before any runs -> (GenRequests, span)."""
+    gw.admit(len(requests_args))          # 503 while the target is down, 429 when the queue is full
+    span = tracing.start_request_span(
+        f"{operation} {gw.model_name}", tracing.incoming(request.headers),
+        **{"gen_ai.operation.name": operation, "gen_ai.request.model": gw.model_name,
+           "gen_ai.request.max_tokens": requests_args[0]["max_tokens"],
+           "gen_ai.request.temperature": requests_args[0]["temperature"],
+           "gen_ai.request.top_p": requests_args[0]["top_p"], "gen_ai.request.top_k": requests_args[0]["top_k"],
+           "gen_ai.request.seed": req.seed, "gen_ai.request.choice.count": req.n})
+    try:
+        return [gw.new_request(span=span, **a) for a in requests_args], span
+    except BaseException:
+        tracing.finish(span)
+        raise
+
+
+def expand(prompts, req, common: dict) -> list[dict]:
+    """One new_request argument set per (prompt, choice); choice j of a seeded request uses seed + j."""
+    return [dict(common, ids=ids, seed=None if req.seed is None else (req.seed + j) % UINT64)
+            for ids, _ in prompts for j in range(req.n)]
+
+
+async def respond(shaper: CompletionShaper, span, stream: bool):
+    if stream:
+        return StreamingResponse(shaper.sse(span), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        return JSONResponse(await shaper.collect())
+    finally:
+        shaper.finish_span(span)
 
 
 async def read_limited(request: Request, limit: int) -> bytes:
@@ -235,42 +269,3 @@ def fastapi_telemetry() -> dict:
         return {}
     return {"telemetry": {"tracing": True, "metrics": False, "logs": False, "operation_spans": False,
                           "auto_configure": False}}
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):          # the gateway owns SIGINT/SIGTERM
-        yield
-
-
-class HttpServer:
-    """uvicorn serving the app on a socket bound up front (a busy port fails at start, by name)."""
-
-    def __init__(self, gw: Gateway, metrics: GatewayMetrics, loop_task, api_key: str, tls=None):
-        self.app = build_app(gw, metrics, loop_task, api_key)
-        https = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key} if tls is not None and tls.cert else {}
-        self.server = _Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                             **https))
-        self.sock: socket.socket | None = None
-
-    def bind(self, host: str, port: int) -> int:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(addr)
-        except OSError as e:
-            sock.close()
-            raise SystemExit(f"gateway: cannot bind the HTTP port {host}:{port} ({e.strerror}); "
-                             "choose another with --http-port") from None
-        sock.listen(2048)
-        sock.setblocking(False)
-        self.sock = sock
-        return sock.getsockname()[1]
-
-    async def serve(self) -> None:
-        await self.server.serve(sockets=[self.sock])
-
-    async def shutdown(self) -> None:
-        self.server.should_exit = True
-        await asyncio.sleep(0)

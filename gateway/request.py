@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.draft_state import DraftState
 from gateway.text import TextStream
 from tandem.v1 import rows_pb2
 
@@ -72,11 +73,7 @@ class GenRequest:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     output_ids: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
-    speculate: bool = True                                   # the draft holds its state and proposes for it
-    stale: bool = False                                      # wants drafts, but the draft's cache of it is lost
-    draft_tokens: list[int] = field(default_factory=list)   # committed, not yet given to the draft
-    draft_position: int = 0                                  # index of draft_tokens[0]
-    rows: rows_pb2.HiddenRows | None = None                  # the row set holding their rows
+    draft: DraftState = field(default_factory=DraftState)    # what the draft holds of it
     finished: bool = False
     cancelled: bool = False                                  # client gone while a call held it
     arrival: float = field(default_factory=time.monotonic)

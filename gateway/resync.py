@@ -10,21 +10,30 @@ draft as new: position 0, all committed tokens, one row per token but the last.
 
 Invariant: a request proposes again only after all three steps; until then it decodes without
 drafts (its tokens come from the target either way, so greedy output equals K = 0 throughout).
+
+It reaches the services only through the scheduler's stubs (Release, RecomputeRows: gateway/stubs.py)
+and reports through the scheduler's public fault methods (fail, draft_lost, target_lost).
 """
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 
+from gateway.stubs import CONTRACT_CODES
 from tandem.v1 import common_pb2, target_pb2
+
+if TYPE_CHECKING:
+    from gateway.request import GenRequest
+    from gateway.scheduler import Scheduler
 
 log = logging.getLogger("tandem.gateway")
 RESYNC_TOKENS = 8192          # committed tokens per RecomputeRows call (bounds its scratch cache and message)
-CONTRACT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
-def chunks(reqs: list, limit: int = RESYNC_TOKENS) -> list[list]:
+def chunks(reqs: list[GenRequest], limit: int = RESYNC_TOKENS) -> list[list[GenRequest]]:
+    """Consecutive groups of `reqs` of at most `limit` committed tokens each (one request may exceed it)."""
     out, cur, n = [], [], 0
     for r in reqs:
         size = len(r.prompt_ids) + len(r.output_ids)
@@ -36,7 +45,7 @@ def chunks(reqs: list, limit: int = RESYNC_TOKENS) -> list[list]:
     return out + ([cur] if cur else [])
 
 
-async def resync(s, reqs: list) -> None:
+async def resync(s: Scheduler, reqs: list[GenRequest]) -> None:
     """Scheduler `s`: make the stale requests `reqs` ready to propose as new requests."""
     try:
         await s.draft.Release(common_pb2.ReleaseRequest(request_ids=[r.id for r in reqs]), timeout=s.draft_timeout)
@@ -53,26 +62,25 @@ async def resync(s, reqs: list) -> None:
             give_up(s, chunk, e)
             continue
         for r in chunk:
-            r.stale, r.speculate = False, True
-            r.draft_tokens, r.draft_position, r.rows = list(r.prompt_ids) + list(r.output_ids), 0, resp.hidden_rows
+            r.draft.resynced(list(r.prompt_ids) + list(r.output_ids), resp.hidden_rows)
         done += len(chunk)
     s.avail.resynced += done
     if done:
         log.info("re-synced the draft's cache of %d running requests", done)
 
 
-def give_up(s, chunk: list, e: grpc.aio.AioRpcError) -> None:
+def give_up(s: Scheduler, chunk: list[GenRequest], e: grpc.aio.AioRpcError) -> None:
     """RecomputeRows failed. A contract error (the gateway's committed tokens disagree with the
     target's) fails the requests; UNAVAILABLE leaves them stale (the round fails them anyway if the
     target is gone); anything else (RESOURCE_EXHAUSTED: no room for the scratch cache) lets them
     finish without drafts."""
     if e.code() in CONTRACT_CODES:
         for r in chunk:
-            s._fail(r, e.code(), f"target RecomputeRows: {e.details()}")
+            s.fail(r, e.code(), f"target RecomputeRows: {e.details()}")
     elif e.code() == grpc.StatusCode.UNAVAILABLE:
         s.target_lost(f"RecomputeRows failed: {e.details()}")
     else:
         log.warning("re-sync of %d requests failed (%s: %s); they finish without drafts",
                     len(chunk), e.code().name, e.details())
         for r in chunk:
-            r.stale = False
+            r.draft.dropped()

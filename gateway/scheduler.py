@@ -23,17 +23,22 @@ import grpc
 from gateway.availability import Availability
 from gateway.request import Event, GenRequest, Observer, SpecStats  # noqa: F401 (re-exported)
 from gateway.resync import resync
+from gateway.stubs import CONTRACT_CODES, DraftStub, TargetStub
 from infra import tracing
 from tandem.v1 import common_pb2, draft_pb2, rows_pb2, target_pb2
 
 log = logging.getLogger("tandem.gateway")
-CONTRACT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 class Scheduler:
-    def __init__(self, target, draft, eos_ids: set[int], max_batch: int = 64, rpc_timeout_s: float = 60.0,
-                 transport: int = rows_pb2.TRANSPORT_UNSPECIFIED, observer: Observer | None = None,
-                 draft_timeout_s: float = 10.0, max_waiting: int = 0):
+    """The rounds of one gateway. It reaches the services only through `target` and `draft` (None: no
+    speculation), objects with the methods of gateway/stubs.py: grpc.aio stubs when serving, or
+    in-process objects with the same async methods. `run()` loops forever; `step()` is one pass:
+    expire, re-sync, Prefill the newcomers, one round."""
+
+    def __init__(self, target: TargetStub, draft: DraftStub | None, eos_ids: set[int], max_batch: int = 64,
+                 rpc_timeout_s: float = 60.0, transport: int = rows_pb2.TRANSPORT_UNSPECIFIED,
+                 observer: Observer | None = None, draft_timeout_s: float = 10.0, max_waiting: int = 0):
         self.target, self.draft, self.eos = target, draft, eos_ids
         self.obs = observer or Observer()
         self.max_batch, self.timeout, self.transport = max_batch, rpc_timeout_s, transport
@@ -77,7 +82,7 @@ class Scheduler:
             except Exception:  # a bug must not kill the loop silently: fail the round, keep serving
                 log.exception("round failed")
                 for r in list(self.running):
-                    self._fail(r, grpc.StatusCode.INTERNAL, "internal error in the gateway round")
+                    self.fail(r, grpc.StatusCode.INTERNAL, "internal error in the gateway round")
 
     # --- service faults (called by the rounds and by gateway/watch.py) ----------------------------
     def draft_lost(self, reason: str, restarted: bool = True) -> None:
@@ -88,8 +93,7 @@ class Scheduler:
         (DEADLINE_EXCEEDED, NOT_FOUND) keeps the bridge."""
         self.avail.draft_failed(reason)
         for r in self.running:
-            if r.speculate:
-                r.speculate, r.stale = False, True
+            r.draft.lost()
         if self.transport != rows_pb2.TRANSPORT_INLINE and restarted:      # a slow draft keeps its bridge
             log.warning("hidden rows go inline from now on (the bridge does not survive a draft restart)")
             self.transport = rows_pb2.TRANSPORT_INLINE
@@ -103,7 +107,7 @@ class Scheduler:
         for r in [r for r in self.waiting + self.running if r.deadline is not None and r.deadline <= now]:
             if r in self.waiting:
                 self.waiting.remove(r)
-            self._fail(r, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+            self.fail(r, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
 
     def _budget(self, reqs: list[GenRequest], cap: float) -> tuple[float, bool]:
         """-> (timeout of a call over reqs, whether their deadlines set it): nobody waits past the
@@ -115,7 +119,7 @@ class Scheduler:
 
     async def step(self) -> None:
         self._expire()
-        stale = [r for r in self.running if r.stale]
+        stale = [r for r in self.running if r.draft.stale]
         if stale and self.avail.degraded is None:
             await self._holding(stale, resync(self, stale))
         room = self.max_batch - len(self.running)
@@ -159,49 +163,24 @@ class Scheduler:
                 self._finish(r, "length")
                 continue
             self.running.append(r)
-            r.speculate = self._speculating and r.k > 0 and resp.HasField("hidden_rows")
-            r.stale = self.draft is not None and r.k > 0 and not r.speculate
-            r.draft_tokens, r.draft_position, r.rows = list(r.prompt_ids) + [tok], 0, resp.hidden_rows
+            r.draft.prefilled(list(r.prompt_ids) + [tok], resp.hidden_rows,
+                              speculate=self._speculating and r.k > 0 and resp.HasField("hidden_rows"),
+                              wants_drafts=self.draft is not None and r.k > 0)
             self._commit(r, [tok], [lp.first_token] if lp is not None and r.logprobs is not None else [])
 
     async def _round(self, batch: list[GenRequest]) -> None:
-        drafts: dict[str, draft_pb2.ProposeResult] = {}
-        spec = [r for r in batch if r.speculate]
+        """One speculative round over the running batch: Propose for the requests the draft speculates
+        for, Verify every request (with no drafts for the others), commit the target's tokens."""
+        spec = [r for r in batch if r.draft.speculate]
         round_t0 = time.perf_counter()
         split = {"propose": 0.0, "transfer": 0.0, "draft_compute": 0.0}   # round split (metrics)
-        if spec:
-            sets = {id(r.rows): r.rows for r in spec}
-            preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
-                request_id=r.id, new_token_ids=r.draft_tokens, num_draft_tokens=r.k, sampling=r.sampling,
-                position=r.draft_position) for r in spec], hidden_rows=list(sets.values()))
-            t0 = time.perf_counter()
-            timeout, by_deadlines = self._budget(spec, self.draft_timeout)
-            try:
-                with tracing.phase("propose", [r.span for r in spec], requests=len(spec)):
-                    presp = await self.draft.Propose(preq, timeout=timeout)
-            except grpc.aio.AioRpcError as e:
-                if e.code() in CONTRACT_CODES:
-                    for r in batch:
-                        self._fail(r, e.code(), f"draft Propose: {e.details()}")
-                    return
-                split["propose"] = time.perf_counter() - t0     # a failed Propose's wall is not the gateway's
-                for r in spec:                 # the draft's state of them is unknown: re-sync later
-                    r.speculate, r.stale = False, True
-                if not (by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):   # else: they expire
-                    self.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})",
-                                    restarted=e.code() == grpc.StatusCode.UNAVAILABLE)
-            else:
-                self.avail.draft_proposed()
-                split.update(propose=time.perf_counter() - t0, transfer=presp.timing.transfer_seconds,
-                             draft_compute=presp.timing.compute_seconds)
-                for r, res in zip(spec, presp.results):
-                    drafts[r.id] = res
-                    r.draft_position += len(r.draft_tokens)
-                    r.draft_tokens, r.rows = [], None
+        drafts = await self._propose(batch, spec, split) if spec else {}
+        if drafts is None:
+            return
         vreq = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
             request_id=r.id, draft_token_ids=drafts[r.id].draft_token_ids if r.id in drafts else [],
             draft_probs=drafts[r.id].draft_probs if r.id in drafts else b"", logprobs=r.logprobs) for r in batch],
-            return_hidden_rows=any(r.speculate for r in batch), transport=self.transport)
+            return_hidden_rows=any(r.draft.speculate for r in batch), transport=self.transport)
         t0 = time.perf_counter()
         try:
             with tracing.phase("verify", [r.span for r in batch], requests=len(batch)):
@@ -214,12 +193,46 @@ class Scheduler:
             k = len(drafts[r.id].draft_token_ids) if r.id in drafts else 0
             r.stats.add(k, res.num_accepted)
             self.stats.add(k, res.num_accepted)
-            if r.speculate:
-                r.draft_tokens, r.rows = list(res.emitted_token_ids), vresp.hidden_rows
+            r.draft.verified(list(res.emitted_token_ids), vresp.hidden_rows)
             self._commit(r, list(res.emitted_token_ids), list(res.logprobs))
         split["round"] = time.perf_counter() - round_t0
         split["gateway"] = split["round"] - split["propose"] - split["verify"]
         self.obs.round_split(split)
+
+    async def _propose(self, batch: list[GenRequest], spec: list[GenRequest],
+                       split: dict[str, float]) -> dict[str, draft_pb2.ProposeResult] | None:
+        """The drafts for `spec` (the speculating part of `batch`) by request id, their times in `split`.
+        {} when the Propose failed: the round goes on without drafts. None when the draft answered
+        with a contract error: every request of the round has failed with it."""
+        sets = {id(r.draft.rows): r.draft.rows for r in spec}
+        preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
+            request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.k, sampling=r.sampling,
+            position=r.draft.position) for r in spec], hidden_rows=list(sets.values()))
+        t0 = time.perf_counter()
+        timeout, by_deadlines = self._budget(spec, self.draft_timeout)
+        try:
+            with tracing.phase("propose", [r.span for r in spec], requests=len(spec)):
+                presp = await self.draft.Propose(preq, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in CONTRACT_CODES:
+                for r in batch:
+                    self.fail(r, e.code(), f"draft Propose: {e.details()}")
+                return None
+            split["propose"] = time.perf_counter() - t0     # a failed Propose's wall is not the gateway's
+            for r in spec:                 # the draft's state of them is unknown: re-sync later
+                r.draft.lost()
+            if not (by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):   # else: they expire
+                self.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})",
+                                restarted=e.code() == grpc.StatusCode.UNAVAILABLE)
+            return {}
+        self.avail.draft_proposed()
+        split.update(propose=time.perf_counter() - t0, transfer=presp.timing.transfer_seconds,
+                     draft_compute=presp.timing.compute_seconds)
+        drafts = {}
+        for r, res in zip(spec, presp.results):
+            drafts[r.id] = res
+            r.draft.proposed()
+        return drafts
 
     @property
     def _speculating(self) -> bool:
@@ -231,7 +244,7 @@ class Scheduler:
         if e.code() == grpc.StatusCode.UNAVAILABLE:
             self.target_lost(f"{call} failed: {e.details()}")
         for r in reqs:
-            self._fail(r, e.code(), f"target {call} failed: {e.details()}")
+            self.fail(r, e.code(), f"target {call} failed: {e.details()}")
 
     def _commit(self, r: GenRequest, tokens: list[int], logprobs: list | None = None) -> None:
         """Commit the target's tokens in order up to the first that ends the request (EOS, one that
@@ -274,12 +287,13 @@ class Scheduler:
         if self.draft is not None:
             asyncio.ensure_future(self._release(self.draft, [r.id]))
 
-    def _fail(self, r: GenRequest, code: grpc.StatusCode, message: str) -> None:
+    def fail(self, r: GenRequest, code: grpc.StatusCode, message: str) -> None:
+        """End r with an error event (its stream raises it) and free its state in both services."""
         if not r.finished:
             r.events.put_nowait(Event([], "", error=(code, message)))
             self._finish(r, None)
 
-    async def _release(self, stub, ids: list[str]) -> None:
+    async def _release(self, stub: TargetStub | DraftStub, ids: list[str]) -> None:
         try:
             await stub.Release(common_pb2.ReleaseRequest(request_ids=ids), timeout=10)
         except grpc.aio.AioRpcError as e:

@@ -114,7 +114,7 @@ def test_slow_or_rowless_propose_keeps_the_bridge():
             await s.step()
             draft.fail = code
             await s.step()
-            assert s.avail.degraded and r.stale, code
+            assert s.avail.degraded and r.draft.stale, code
             assert s.transport == rows_pb2.TRANSPORT_BRIDGE, code
     run(main())
 
@@ -158,7 +158,7 @@ def test_draft_failure_degrades_then_resyncs_and_resumes(monkeypatch):
         await s.step()                                  # Propose fails: the round commits 1 token, no drafts
         verify = target.calls[-1][1]
         assert list(verify.items[0].draft_token_ids) == [] and len(r.output_ids) == 6
-        assert s.avail.degraded and "UNAVAILABLE" in s.avail.degraded and r.stale and not r.speculate
+        assert s.avail.degraded and "UNAVAILABLE" in s.avail.degraded and r.draft.stale and not r.draft.speculate
         assert s.transport == rows_pb2.TRANSPORT_INLINE and s.avail.speculation()["state"] == "degraded"
         draft.fail = None
         n = len(draft.calls)
@@ -179,7 +179,7 @@ def test_draft_failure_degrades_then_resyncs_and_resumes(monkeypatch):
         assert target.calls[0][1].transport == rows_pb2.TRANSPORT_INLINE
         item = draft.calls[-1][1].items[0]
         assert item.position == 0 and list(item.new_token_ids) == committed
-        assert s.avail.resynced == 1 and not r.stale and r.speculate and r.stats.num_drafts == 2
+        assert s.avail.resynced == 1 and not r.draft.stale and r.draft.speculate and r.stats.num_drafts == 2
         assert r.output_ids == [NEXT] * 11            # nothing lost, nothing doubled
         await s.step()                                  # and the draft continues from there
         assert draft.calls[-1][1].items[0].position == len(committed)

@@ -1,0 +1,120 @@
+"""The gateway's typed configuration and its command line (`tandem gateway --help`): every flag is a
+field of GatewayConfig, checked once at start so that a bad value fails by name before any service
+is contacted."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra import tls as tls_mod
+from infra.defaults import HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS, NUM_SPECULATIVE_TOKENS
+from tandem.v1 import rows_pb2
+
+DESCRIPTION = """`tandem gateway`: the public face in front of the target and draft services — the gRPC
+GenerateService and the OpenAI-compatible REST API (gateway/http.py), in one process and event loop."""
+# how the gateway asks the target for rows: auto (the services settle it), bridge, or inline
+TRANSPORTS = {name: rows_pb2.TRANSPORT_INLINE if name == "inline" else rows_pb2.TRANSPORT_UNSPECIFIED if name == "auto"
+              else rows_pb2.TRANSPORT_BRIDGE for name in HIDDEN_TRANSPORTS}
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str
+    target_addr: str = "127.0.0.1:50052"
+    draft_addr: str = "127.0.0.1:50053"
+    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    max_batch: int = 64
+    default_max_tokens: int = 256
+    hidden_transport: str = "auto"
+    connect_timeout_s: float = 120.0
+    http_port: int = 8000
+    served_model_name: str = ""
+    api_key: str = ""
+    otlp_endpoint: str = ""
+    stats_interval_s: float = 10.0
+    max_logprobs: int = 20
+    max_prompt_tokens: int = 0               # per request; 0: the model's limit
+    max_output_tokens: int = 0               # the largest max_tokens; 0: the model's limit
+    max_request_bytes: int = 4 << 20         # REST body and gRPC message of the public API
+    tls_cert: str = ""                       # TLS on both listeners and to the services (tandem/tls.py)
+    tls_key: str = ""
+    tls_ca: str = ""
+    max_waiting: int = 256                   # requests queued for a Prefill; beyond: 429 / RESOURCE_EXHAUSTED
+    rpc_timeout_s: float = 60.0              # a Prefill / Verify / RecomputeRows call (client deadlines bound it)
+    draft_timeout_s: float = 10.0            # a Propose; past it the round goes on without drafts
+    random_config: str = ""                  # target and draft run a random-weight preset: no tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or (f"random-{self.random_config}" if self.random_config
+                                          else Path(self.model).name)
+
+    @property
+    def tls(self) -> tls_mod.TlsFiles:
+        return tls_mod.TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
+
+    @property
+    def key(self) -> str:
+        """The API key guarding REST /v1/* and gRPC GenerateService ('': open)."""
+        return self.api_key or os.environ.get("TANDEM_API_KEY", "")
+
+    def validate(self) -> "GatewayConfig":
+        if not 0 <= self.num_speculative_tokens <= MAX_DRAFT_TOKENS:
+            raise SystemExit(f"--num-speculative-tokens must be in [0, {MAX_DRAFT_TOKENS}], got "
+                             f"{self.num_speculative_tokens}")
+        if self.hidden_transport not in TRANSPORTS:
+            raise SystemExit(f"--hidden-transport must be one of {list(TRANSPORTS)}, got {self.hidden_transport!r}")
+        if not self.random_config and not (Path(self.model) / "tokenizer.json").exists():
+            raise SystemExit(f"--model {self.model}: no tokenizer.json there")
+        if min(self.max_prompt_tokens, self.max_output_tokens) < 0 or self.max_request_bytes < 1024:
+            raise SystemExit("--max-prompt-tokens and --max-output-tokens must be >= 0, --max-request-bytes >= 1024")
+        self.tls.validate("tandem gateway")
+        return self
+
+
+def parse(argv) -> GatewayConfig:
+    from infra.paths import default_model_dir
+    p = argparse.ArgumentParser(prog="tandem gateway", description=DESCRIPTION)
+    p.add_argument("--model", default=None, help="checkpoint dir (for its tokenizer)")
+    p.add_argument("--target-addr", default="127.0.0.1:50052")
+    p.add_argument("--draft-addr", default="127.0.0.1:50053")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=NUM_SPECULATIVE_TOKENS)
+    p.add_argument("--host", default="127.0.0.1", help="address of the gRPC and HTTP listeners")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible REST API, /health, /metrics")
+    p.add_argument("--served-model-name", default="", help="the model name of the REST API (default: the "
+                   "checkpoint directory's name)")
+    p.add_argument("--api-key", default="", help="require `Authorization: Bearer KEY` on /v1/* "
+                   "(default: $TANDEM_API_KEY; none: open)")
+    p.add_argument("--otlp-endpoint", default="", help="OTLP/gRPC trace export, e.g. http://127.0.0.1:4317 "
+                   "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing)")
+    p.add_argument("--stats-interval", dest="stats_interval_s", type=float, default=10.0,
+                   help="seconds between stats log lines (0: off)")
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--hidden-transport", default="auto")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a Prefill before new ones "
+                   "get HTTP 429 / gRPC RESOURCE_EXHAUSTED (0: unbounded)")
+    p.add_argument("--rpc-timeout", dest="rpc_timeout_s", type=float, default=60.0,
+                   help="seconds a Prefill or Verify call may take (shorter when every request in it has a deadline)")
+    p.add_argument("--draft-timeout", dest="draft_timeout_s", type=float, default=10.0,
+                   help="seconds a Propose may take before the round goes on without drafts (speculation degraded)")
+    p.add_argument("--max-prompt-tokens", type=int, default=0, help="longest prompt a request may bring, in "
+                   "tokens (400 / INVALID_ARGUMENT beyond; 0: the model's limit)")
+    p.add_argument("--max-output-tokens", type=int, default=0, help="largest max_tokens a request may ask for "
+                   "(0: the model's limit)")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest REST body (413 beyond) and "
+                   "gRPC request message (RESOURCE_EXHAUSTED beyond) of the public API")
+    p.add_argument("--random-config", default="", help="target and draft serve a random-weight preset "
+                   "(--random-config of `tandem target`): no tokenizer, requests must send token ids")
+    tls_mod.add_flags(p)
+    a = p.parse_args(argv)
+    if a.model and a.random_config:      # as on target and draft: one model, named one way
+        p.error(f"--model ({a.model}) and --random-config ({a.random_config}) exclude each other")
+    model = a.model or (f"random:{a.random_config}" if a.random_config else default_model_dir())
+    return GatewayConfig(**{**vars(a), "model": str(model)}).validate()

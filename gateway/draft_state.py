@@ -1,0 +1,61 @@
+"""What the draft holds for one request, as the gateway tracks it, and the only ways it changes.
+
+The draft's cache of a request is derived state: the committed tokens it was given (from `position`
+on) and the target's hidden rows for them. The gateway keeps the tokens not yet given to it and the
+row set that holds their rows, and two flags:
+
+- `speculate`: the draft holds the request's state and proposes for it each round;
+- `stale`: the request wants drafts but the draft's cache of it is lost or unknown, so it decodes
+  without drafts until gateway/resync.py rebuilds that cache.
+
+Transitions (each a method below): `prefilled` (after Prefill), `proposed` (a Propose took the
+pending tokens), `verified` (a Verify committed tokens + rows), `lost` (the draft failed: stale),
+`resynced` (its cache was rebuilt), `dropped` (re-sync gave up: the request finishes without drafts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.v1 import rows_pb2
+
+
+@dataclass
+class DraftState:
+    speculate: bool = False                                   # before Prefill the draft holds nothing
+    stale: bool = False
+    pending: list[int] = field(default_factory=list)          # committed, not yet given to the draft
+    position: int = 0                                         # the index of pending[0] in the request
+    rows: rows_pb2.HiddenRows | None = None                   # the row set holding the pending tokens' rows
+
+    def prefilled(self, tokens: list[int], rows: rows_pb2.HiddenRows, speculate: bool, wants_drafts: bool) -> None:
+        """After Prefill: the draft gets `tokens` (prompt + first token) from position 0 with Prefill's
+        rows. A request that wants drafts but cannot have them now (speculation degraded, no rows)
+        starts stale, so it is re-synced once the draft is back."""
+        self.speculate, self.stale = speculate, wants_drafts and not speculate
+        self.pending, self.position, self.rows = list(tokens), 0, rows
+
+    def proposed(self) -> None:
+        """A Propose took the pending tokens and their rows: the draft holds them now."""
+        self.position += len(self.pending)
+        self.pending, self.rows = [], None
+
+    def verified(self, tokens: list[int], rows: rows_pb2.HiddenRows) -> None:
+        """A Verify committed `tokens`: they and their rows go to the draft with the next Propose, while
+        it still speculates for this request (a stale one is rebuilt from all committed tokens)."""
+        if self.speculate:
+            self.pending, self.rows = list(tokens), rows
+
+    def lost(self) -> None:
+        """The draft failed or its state of this request is unknown: decode without drafts, re-sync later."""
+        if self.speculate:
+            self.speculate, self.stale = False, True
+
+    def resynced(self, tokens: list[int], rows: rows_pb2.HiddenRows) -> None:
+        """The draft dropped what it held and the target recomputed rows of every committed token but
+        the last: the next Propose gives it all of `tokens` from position 0, as a new request."""
+        self.speculate, self.stale = True, False
+        self.pending, self.position, self.rows = list(tokens), 0, rows
+
+    def dropped(self) -> None:
+        """Re-sync gave up (no room for it on the target): the request finishes without drafts."""
+        self.speculate, self.stale = False, False
