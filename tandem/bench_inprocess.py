@@ -1,23 +1,22 @@
-"""`tandem bench inprocess`: the served engines driven by a plain Python loop in ONE process.
+"""`tandem bench inprocess`: the served round in ONE process.
 
-The same TargetEngine and DraftEngine (services/), the same kernels and model objects as the served
-cluster, placed as `tandem serve` places them (target on cuda:0, draft on cuda:1 when there are two
-GPUs), but no gRPC, no gateway and no bridge: hidden rows pass as tensors. Continuous batching as
-the gateway does it: up to `batch` requests run, a finished one is replaced by the next prompt
-before the following round. Served tokens/s divided by these tokens/s is the cost of the split.
+The same engines, servicers and round as the served cluster (the gateway's Scheduler over the target and
+draft servicers, tandem/inprocess.py), placed as `tandem serve` places them (target on cuda:0, draft on
+cuda:1 when there are two GPUs), but no gRPC, no gateway process and no bridge: messages are handed over
+as objects and hidden rows as tensors. Continuous batching as the gateway does it: up to `batch` requests
+run, a finished one is replaced by the next prompt before the following round. Served tokens/s divided by
+these tokens/s is the cost of the split.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from services.draft.engine import DraftEngine, ProposeItem
-from services.ranks import on_device
-from services.sampling import Sampling
+from services.draft.engine import DraftEngine
 from services.target.engine import TargetEngine
 from tandem.bench import write_results
 
@@ -58,67 +57,36 @@ class LoopResult:
 
 
 def run_loop(te: TargetEngine, de: DraftEngine | None, prompts: list[list[int]], k: int, batch: int,
-             max_tokens: int, seed0: int = 1000) -> LoopResult:
-    """Greedy decoding of every prompt, `batch` at a time, K drafts per round (0: target only)."""
-    waiting = deque(enumerate(prompts))
-    out: dict[int, list[int]] = {}
-    pending: dict[int, list[int]] = {}         # tokens committed, not yet given to the draft
-    position: dict[int, int] = {}
-    rows: dict[int, torch.Tensor] = {}         # their target hidden rows [n, D], on the target's device
-    split = dict(prefill=0.0, propose=0.0, verify=0.0)
-    rounds = drafts = accepted = 0
-    rid = str
-    t_start = time.perf_counter()
+             max_tokens: int) -> LoopResult:
+    """Greedy decoding of every prompt, `batch` at a time, K drafts per round (0: target only), by the
+    gateway's Scheduler over this process's servicers (tandem/inprocess.py)."""
+    from gateway.request import Observer
+    from tandem.inprocess import generate_all, servicer_stubs
 
-    def finish(i):
-        out[i] = out[i][:max_tokens]
-        te.release([rid(i)])
-        if de is not None and k > 0:
-            de.release([rid(i)])
-        pending.pop(i, None), rows.pop(i, None)
+    class Split(Observer):
+        def __init__(self):
+            self.split, self.rounds = dict(prefill=0.0, propose=0.0, verify=0.0, gateway=0.0), 0
 
-    running: list[int] = []
-    while waiting or running:
-        new = [waiting.popleft() for _ in range(min(batch - len(running), len(waiting)))]
-        if new:
-            t0 = time.perf_counter()
-            with on_device(te.cache.device):
-                first, hidden, _ = te.prefill([(rid(i), p, Sampling(seed=seed0 + i)) for i, p in new])
-            split["prefill"] += time.perf_counter() - t0
-            for (i, p), tok, h in zip(new, first, hidden.split([len(p) for _, p in new])):
-                out[i], pending[i], position[i], rows[i] = [tok], list(p) + [tok], 0, h
-                running.append(i)
-            for i in [i for i in running if len(out[i]) >= max_tokens]:
-                running.remove(i)
-                finish(i)
-        if not running:
-            continue
-        props: dict[int, list[int]] = {}
-        if k > 0 and de is not None:
-            t0 = time.perf_counter()
-            items = [ProposeItem(rid(i), pending[i], k, Sampling(), position[i]) for i in running]
-            de.expected_rows(items)
-            with on_device(de.cache.device):
-                proposals = de.propose(items, {rid(i): rows[i] for i in running})
-            for i, (d, _) in zip(running, proposals):
-                props[i] = d
-                position[i] += len(pending[i])
-            split["propose"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with on_device(te.cache.device):
-            acc, emitted, hidden, _ = te.verify([(rid(i), props.get(i, []), None) for i in running])
-        split["verify"] += time.perf_counter() - t0
-        rounds += 1
-        for i, a, toks, h in zip(list(running), acc, emitted, hidden.split([a + 1 for a in acc])):
-            drafts, accepted = drafts + bool(props.get(i)), accepted + a
-            out[i] += toks
-            pending[i], rows[i] = toks, h
-            if len(out[i]) >= max_tokens:
-                running.remove(i)
-                finish(i)
-    wall = time.perf_counter() - t_start
-    split["loop"] = wall - sum(split.values())
-    return LoopResult(out, wall, rounds, drafts, accepted, split)
+        def phase(self, name, seconds):
+            self.split[name] = self.split.get(name, 0.0) + seconds
+
+        def round_split(self, seconds):
+            self.rounds += 1
+            for name in ("propose", "verify", "gateway"):
+                self.split[name] += seconds.get(name, 0.0)
+    if not hasattr(te, "_inprocess_stubs"):               # one pair of servicers per engine pair
+        te._inprocess_stubs = servicer_stubs(te, de)
+    target, draft = te._inprocess_stubs
+    obs = Split()
+    t0 = time.perf_counter()
+    reqs, events = asyncio.run(generate_all(target, draft if k > 0 else None, prompts, k, batch, max_tokens, obs))
+    wall = time.perf_counter() - t0
+    for r, ev in zip(reqs, events):
+        if ev[-1].error is not None:
+            raise RuntimeError(f"request {r.id} failed in process: {ev[-1].error}")
+    obs.split["loop"] = wall - sum(obs.split.values())
+    return LoopResult({i: list(r.output_ids[:max_tokens]) for i, r in enumerate(reqs)}, wall, obs.rounds,
+                      sum(r.stats.num_drafts for r in reqs), sum(r.stats.num_accepted_tokens for r in reqs), obs.split)
 
 
 def measure(te, de, prompts, k, batch, max_tokens) -> dict:
