@@ -15,7 +15,7 @@ from models.runner import new_cache
 from services.bridge.channel import RowChannel
 from services.config import parse, setup_torch
 from services.identity import model_identity
-from services.ranks import RankGroup, init_group, start_workers
+from services.ranks import RankGroup, init_group, on_device, start_workers
 from services.servicer import hello
 
 log = logging.getLogger("tandem.launch")
@@ -39,7 +39,8 @@ def build_engine(engine_cls, model_cls, model: str, device: str, dtype: torch.dt
     engine = engine_cls(m, cache, min(max_model_len, mc.max_position_embeddings))
     if graphs and str(device).startswith("cuda"):
         from models import cuda_graphs
-        cuda_graphs.enable(engine, extra_rows=engine_cls.graph_row_inputs, warmup_batch=graph_batch)
+        with on_device(torch.device(device)):      # capture and Triton launches on the engine's own GPU
+            cuda_graphs.enable(engine, extra_rows=engine_cls.graph_row_inputs, warmup_batch=graph_batch)
     return engine
 
 

@@ -36,7 +36,7 @@ def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_
     dt = DTYPES[dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
     t_dev, d_dev = service_devices(device)
     te, de = (build_engine(engine_cls, model_cls, model, dev, dt, num_blocks=num_blocks, graphs=not eager,
-                           graph_batch=0, what="tandem bench inprocess")
+                           what="tandem bench inprocess")          # graphs captured now, as the services do
               for engine_cls, model_cls, dev in ((TargetEngine, TargetModel, t_dev), (DraftEngine, DraftModel, d_dev)))
     te.synthetic_acceptance = synthetic_acceptance
     return te, de
