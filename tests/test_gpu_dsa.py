@@ -11,6 +11,7 @@ from models.loader import load_model
 from models.model import DraftModel, TargetModel
 from models.presets import TINY_V32
 from models.runner import greedy_generate, new_cache
+from test_gpu_graphs import _steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; this machine has none")
 
@@ -28,24 +29,6 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("v32") / "ckpt", seed=5, overrides=TINY_V32)
 
 
-def _steps(model, cache, fn, hidden_size=None):
-    g = torch.Generator().manual_seed(0)
-    outs = []
-    for step in PLAN:
-        for r in step:
-            if r not in cache:
-                cache.allocate(r)
-        batch = cache.prepare(list(step), list(step.values()))
-        n = batch.num_tokens
-        tokens = torch.randint(3, model.cfg.vocab_size, (n,), generator=g).cuda()
-        with torch.inference_mode():
-            if hidden_size:
-                outs.append(fn(tokens, torch.randn(n, hidden_size, generator=g).cuda(), batch, cache, step=0).clone())
-            else:
-                outs.append(fn(tokens, batch, cache).clone())
-    return outs
-
-
 @pytest.mark.parametrize("scoring", ["exact", "deployed"])
 @pytest.mark.parametrize("which", ["target", "draft"])
 def test_graph_replay_equals_eager(ckpt, which, scoring, monkeypatch):
@@ -53,10 +36,10 @@ def test_graph_replay_equals_eager(ckpt, which, scoring, monkeypatch):
     model = load_model(TargetModel if which == "target" else DraftModel, ckpt, dtype=torch.float32, device="cuda")
     D = model.cfg.hidden_size if which == "draft" else None
     eager_cache, graph_cache = new_cache(model, 64, index_scoring=scoring), new_cache(model, 64, index_scoring=scoring)
-    eager = _steps(model, eager_cache, model, D)
+    eager = _steps(model, eager_cache, model, PLAN, D)
     graphed = GraphedForward(model, graph_cache, model.cfg.hidden_size, torch.float32, max_model_len=256,
                              max_tokens=32, extra_rows=1 if D else 0)
-    replayed = _steps(model, graph_cache, graphed, D)
+    replayed = _steps(model, graph_cache, graphed, PLAN, D)
     assert graphed.replays == 4 and graphed.eager == 1           # the 70-token prefill is above max_tokens
     for e, r in zip(eager, replayed):
         torch.testing.assert_close(r, e, rtol=1e-4, atol=1e-4)
