@@ -76,7 +76,7 @@ def add_guards(app: FastAPI, api_key: str) -> None:
     @app.exception_handler(GenerationError)
     async def failed(request: Request, e: GenerationError):
         status = e.http_status or api.GRPC_TO_HTTP.get(e.code.name, 500)
-        resp = error(status, str(e), code=e.code.name.lower())
+        resp = error(status, str(e), code=api.error_code(e.code, str(e)))
         if status in (429, 503):
             resp.headers["Retry-After"] = "1"
         return resp

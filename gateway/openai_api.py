@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import grpc
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gateway.core import RequestError
+from gateway.stubs import ROW_CONTRACT
 
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -206,6 +208,11 @@ def chat_logprobs(token_ids: list[int], entries: list, token_str) -> list[dict]:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def error_code(code: grpc.StatusCode, message: str) -> str:
+    """The REST error's `code` for a failed generation: the broken contract by name, else the gRPC status."""
+    return "hidden_rows_contract" if ROW_CONTRACT in message else code.name.lower()
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:

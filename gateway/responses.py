@@ -162,7 +162,8 @@ class CompletionShaper:
                 c, ev, err = await queue.get()
                 if err is not None:
                     status = api.GRPC_TO_HTTP.get(err.code.name, 500)
-                    yield f"data: {json.dumps(api.error_body(str(err), status, code=err.code.name.lower()))}\n\n"
+                    body = api.error_body(str(err), status, code=api.error_code(err.code, str(err)))
+                    yield f"data: {json.dumps(body)}\n\n"
                     break
                 d = self._chunk(c, ev)
                 if d is not None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from gateway.stubs import CONTRACT_CODES
+from gateway.stubs import CONTRACT_CODES, client_status
 from tandem.v1 import common_pb2, target_pb2
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def give_up(s: Scheduler, chunk: list[GenRequest], e: grpc.aio.AioRpcError) -> N
     finish without drafts."""
     if e.code() in CONTRACT_CODES:
         for r in chunk:
-            s.fail(r, e.code(), f"target RecomputeRows: {e.details()}")
+            s.fail(r, client_status(e), f"target RecomputeRows: {e.details()}")
     elif e.code() == grpc.StatusCode.UNAVAILABLE:
         s.target_lost(f"RecomputeRows failed: {e.details()}")
     else:

@@ -23,7 +23,7 @@ import grpc
 from gateway.availability import Availability
 from gateway.request import Event, GenRequest, Observer, SpecStats  # noqa: F401 (re-exported)
 from gateway.resync import resync
-from gateway.stubs import CONTRACT_CODES, DraftStub, TargetStub
+from gateway.stubs import CONTRACT_CODES, DraftStub, TargetStub, client_status
 from infra import tracing
 from tandem.v1 import common_pb2, draft_pb2, rows_pb2, target_pb2
 
@@ -216,7 +216,7 @@ class Scheduler:
         except grpc.aio.AioRpcError as e:
             if e.code() in CONTRACT_CODES:
                 for r in batch:
-                    self.fail(r, e.code(), f"draft Propose: {e.details()}")
+                    self.fail(r, client_status(e), f"draft Propose: {e.details()}")
                 return None
             split["propose"] = time.perf_counter() - t0     # a failed Propose's wall is not the gateway's
             for r in spec:                 # the draft's state of them is unknown: re-sync later
@@ -244,7 +244,7 @@ class Scheduler:
         if e.code() == grpc.StatusCode.UNAVAILABLE:
             self.target_lost(f"{call} failed: {e.details()}")
         for r in reqs:
-            self.fail(r, e.code(), f"target {call} failed: {e.details()}")
+            self.fail(r, client_status(e), f"target {call} failed: {e.details()}")
 
     def _commit(self, r: GenRequest, tokens: list[int], logprobs: list | None = None) -> None:
         """Commit the target's tokens in order up to the first that ends the request (EOS, one that

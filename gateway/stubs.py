@@ -29,6 +29,13 @@ from tandem.v1 import common_pb2, draft_pb2, target_pb2
 # a service's answer that the gateway broke the contract (its committed tokens or rows disagree with the
 # service's): the requests fail with it, where any other failure of the draft only costs speed
 CONTRACT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+ROW_CONTRACT = "hidden rows contract"       # how the services' row checks begin their message (services/bridge/rows.py)
+
+
+def client_status(e: grpc.aio.AioRpcError) -> grpc.StatusCode:
+    """A service's failure as the client's status: a hidden-row contract broken between target and draft is a
+    fault inside the cluster (INTERNAL, REST 500), never the client's; every other code passes through."""
+    return grpc.StatusCode.INTERNAL if ROW_CONTRACT in (e.details() or "") else e.code()
 
 
 class TargetStub(Protocol):

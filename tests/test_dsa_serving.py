@@ -77,5 +77,5 @@ def test_skip_sp_gather_on_v32_fails_loudly(mesh):
     with pytest.raises(grpc.RpcError) as e:
         generate(mesh.gateways[2].stub, prompt, 3)
     T = len(prompt)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert e.value.code() == grpc.StatusCode.INTERNAL, e.value.details()      # the cluster's fault, not the client's
     assert f"returned {math.ceil(T / 2)} rows for {T} input tokens (expected {T})" in e.value.details()

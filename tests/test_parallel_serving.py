@@ -11,7 +11,7 @@ must equal the (1,1,off) / draft-tp-1 combination's: SP must not cost a single a
 
 Then the SP row contract end to end: a draft of tp 2 with SP and TANDEM_FAULT=skip_sp_gather (its
 MTP block returns this rank's ceil(T_pad / tp) rows) must answer INVALID_ARGUMENT naming both
-counts, within a deadline, with every process still SERVING; a cluster started again without the
+counts (the client gets INTERNAL / REST 500 `hidden_rows_contract`: the fault is the cluster's), within a deadline, with every process still SERVING; a cluster started again without the
 switch serves the same request normally. A target whose checkpoint cannot take its layout (experts
 not divisible by ep, heads not by tp) exits at start naming both numbers. Last, the real `tandem
 serve --tp 2 --ep 2 --sequence-parallel --draft-tp 2` (gloo bridge) serves, and exits 0 on SIGTERM
@@ -19,6 +19,7 @@ leaving no process.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -27,6 +28,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,7 +235,9 @@ def test_skip_sp_gather_is_a_contract_error_then_restart_serves(ckpt, ref_model,
             with pytest.raises(grpc.RpcError) as e:
                 stub.Generate(request(prompt, 12), timeout=RPC_TIMEOUT)
             took = time.monotonic() - t0
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, f"T={T}: {e.value.code()} {e.value.details()}"
+            # between the services the draft answered INVALID_ARGUMENT (below); the client is told INTERNAL: a
+            # fault inside the cluster, never the client's
+            assert e.value.code() == grpc.StatusCode.INTERNAL, f"T={T}: {e.value.code()} {e.value.details()}"
             assert took < FAULT_DEADLINE_S, f"T={T}: the contract error took {took:.1f}s"
             assert expected_rows_message(T) in e.value.details(), e.value.details()
             # streamed: what came before the error is the target's committed prefix, nothing else
@@ -240,8 +245,17 @@ def test_skip_sp_gather_is_a_contract_error_then_restart_serves(ckpt, ref_model,
             with pytest.raises(grpc.RpcError) as e:
                 for msg in stub.GenerateStream(request(prompt, 12), timeout=RPC_TIMEOUT):
                     got += msg.token_ids
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and expected_rows_message(T) in e.value.details()
+            assert e.value.code() == grpc.StatusCode.INTERNAL and expected_rows_message(T) in e.value.details()
             assert got == want[T][: len(got)], f"T={T}: tokens before the error are not the reference's"
+        # REST: a 500 server_error whose code names the contract, the message both counts
+        body = json.dumps({"prompt": prompts[19], "max_tokens": 12, "temperature": 0}).encode()
+        req = urllib.request.Request(c.gateways[0].http_url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as http:
+            urllib.request.urlopen(req, timeout=RPC_TIMEOUT)
+        err = json.loads(http.value.read())["error"]
+        assert http.value.code == 500 and err["type"] == "server_error" and err["code"] == "hidden_rows_contract", err
+        assert expected_rows_message(19) in err["message"], err
         # the draft's own answer (raw Propose with the target's inline rows), not only the gateway's
         pre = c.target.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
             request_id="raw-19", prompt_token_ids=prompts[19])], return_hidden_rows=True,

@@ -186,6 +186,26 @@ def test_draft_failure_degrades_then_resyncs_and_resumes(monkeypatch):
     run(main())
 
 
+def test_broken_row_contract_is_the_clusters_fault_not_the_clients():
+    """A row-count mismatch between the services (the draft answers INVALID_ARGUMENT "hidden rows contract: ...")
+    fails the round with INTERNAL and the services' message: the client sent nothing wrong."""
+    async def main():
+        target, draft = FakeTarget(), FakeDraft()
+        s = Scheduler(target, draft, {2})
+        r = request(s)
+        s.submit(r)
+        await s.step()
+
+        async def propose(req, timeout=None):
+            raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "hidden rows contract: the MTP block returned 10 rows "
+                                                              "for 19 input tokens (expected 19)")
+        draft.Propose = propose
+        await s.step()
+        code, message = events(r)[-1].error
+        assert code == grpc.StatusCode.INTERNAL and "returned 10 rows for 19 input tokens" in message and r.finished
+    run(main())
+
+
 def test_contract_error_from_the_draft_fails_the_round():
     async def main():
         target, draft = FakeTarget(), FakeDraft()
