@@ -81,7 +81,14 @@ class Gateway:
         self.tokenizer_config: dict = json.loads(path.read_text()) if path.exists() else {}
 
     # --- tokens ----------------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token ids of `text`; a 400 / INVALID_ARGUMENT naming `param` when it is not valid Unicode (a JSON
+        string may carry a lone UTF-16 surrogate, "\\ud800", which no tokenizer takes)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(param, f"{param}: holds an unpaired UTF-16 surrogate (U+{ord(text[e.start]):04X}) at "
+                                      f"character {e.start}: not valid Unicode") from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:

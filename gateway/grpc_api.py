@@ -24,7 +24,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         """Validate a request; raises RequestError naming the field, expected and actual value."""
         which = request.WhichOneof("prompt")
         ids = list(request.token_ids.ids) if which == "token_ids" else (
-            self.gw.encode(request.text) if which == "text" else [])
+            self.gw.encode(request.text, param="text") if which == "text" else [])
         return self.gw.new_request(
             ids, request.max_tokens or None, temperature=request.temperature, top_p=request.top_p,
             top_k=request.top_k, seed=request.seed if request.HasField("seed") else None, stop=list(request.stop),

@@ -110,7 +110,7 @@ def add_generation_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
         check_model(gw, req.model)
         text = api.render_chat(chat.template, req.messages, req.add_generation_prompt, chat.special,
                                req.chat_template_kwargs)
-        ids = gw.encode(text, add_special_tokens=False)
+        ids = gw.encode(text, add_special_tokens=False, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise RequestError("max_tokens", f"max_tokens: must be >= 1, got {max_tokens}")
@@ -146,7 +146,7 @@ def add_tokenizer_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
             raise RequestError("prompt", "give exactly one of prompt or messages")
         if req.messages is not None:
             text = api.render_chat(chat.template, req.messages, req.add_generation_prompt, chat.special)
-            ids = gw.encode(text, add_special_tokens=bool(req.add_special_tokens))
+            ids = gw.encode(text, add_special_tokens=bool(req.add_special_tokens), param="messages")
         else:
             ids = gw.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
         return {"count": len(ids), "max_model_len": gw.limits.max_model_len, "tokens": ids,

@@ -30,6 +30,9 @@ f32 = st.one_of(st.sampled_from([0.0, 1.0, -1.0, math.nan, math.inf, -math.inf, 
 uint32, uint64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
 in_vocab = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20)
 words = st.text(st.characters(codec="utf-8"), min_size=1, max_size=40)
+# REST bodies are JSON, which can carry a lone UTF-16 surrogate ("\\ud800"): valid JSON, not valid Unicode
+rest_words = st.one_of(words, st.tuples(st.text(max_size=10), st.characters(categories=["Cs"]),
+                                        st.text(max_size=10)).map("".join))
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | f32 | st.text(max_size=20),
                     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
                     max_leaves=12)
@@ -105,14 +108,14 @@ SAMPLING = {"max_tokens": st.integers(1, MAX_OUTPUT), "temperature": st.sampled_
             "n": st.integers(1, 2), "stream": st.booleans(), "ignore_eos": st.booleans(),
             "num_speculative_tokens": st.integers(0, 2), "model": sometimes(st.just("tiny"), st.just("other")),
             "return_token_ids": st.just(True)}
-COMPLETION = body({"prompt": st.one_of(words, in_vocab)}, {**SAMPLING, "echo": st.booleans(),
+COMPLETION = body({"prompt": st.one_of(rest_words, in_vocab)}, {**SAMPLING, "echo": st.booleans(),
                                                            "logprobs": st.integers(0, 3)})
-MESSAGE = body({"role": st.sampled_from(["system", "user", "assistant"]), "content": words}, {})
+MESSAGE = body({"role": st.sampled_from(["system", "user", "assistant"]), "content": rest_words}, {})
 CHAT = body({"messages": st.lists(MESSAGE, min_size=1, max_size=3)}, {
     **SAMPLING, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 3),
     "max_completion_tokens": st.integers(1, MAX_OUTPUT),
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["messages", "add_generation_prompt", "x"]), JSON)})
-TOKENIZE = body({}, {"prompt": words, "messages": st.lists(MESSAGE, max_size=2), "add_special_tokens": st.booleans()})
+TOKENIZE = body({}, {"prompt": rest_words, "messages": st.lists(MESSAGE, max_size=2), "add_special_tokens": st.booleans()})
 DETOKENIZE = body({"tokens": in_vocab}, {})
 
 

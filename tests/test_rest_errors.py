@@ -44,6 +44,12 @@ BAD = [
     ("chat: unknown model", "/v1/chat/completions", {"messages": MSGS, "model": "nope"}, 404, "model", "nope"),
     ("tokenize: neither prompt nor messages", "/tokenize", {}, 400, "prompt", "prompt"),
     ("detokenize: id out of range", "/detokenize", {"tokens": [1, 99999]}, 400, "tokens", "out of range"),
+    # a lone UTF-16 surrogate is valid JSON but not valid Unicode: no tokenizer takes it (was: 500)
+    ("prompt: lone surrogate", "/v1/completions", b'{"prompt": "abc\\ud800", "max_tokens": 4}', 400, "prompt",
+     "surrogate (U+D800) at character 3"),
+    ("chat: lone surrogate", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "x\\udfff"}]}', 400, "messages", "surrogate (U+DFFF)"),
+    ("tokenize: lone surrogate", "/tokenize", b'{"prompt": "\\ud83d"}', 400, "prompt", "surrogate"),
 ]
 
 
