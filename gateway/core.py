@@ -145,7 +145,9 @@ class Gateway:
             raise RequestError("logprobs", f"logprobs: must be in [0, {lim.max_logprobs}], got {logprobs}")
         if k is None:
             k = lim.num_speculative_tokens
-        elif not 0 <= k <= lim.num_speculative_tokens:
+        elif k < 0:
+            raise RequestError("num_speculative_tokens", f"num_speculative_tokens: must be >= 0, got {k}")
+        elif k > lim.num_speculative_tokens:
             raise RequestError("num_speculative_tokens", f"num_speculative_tokens: at most "
                                f"{lim.num_speculative_tokens} on this gateway, got {k}")
         sampling = rows_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import openai_api as api
 from gateway.core import UINT64, GenerationError, Gateway, RequestError
@@ -81,6 +82,14 @@ def add_guards(app: FastAPI, api_key: str) -> None:
             resp.headers["Retry-After"] = "1"
         return resp
 
+    @app.exception_handler(StarletteHTTPException)
+    async def no_route(request: Request, e: StarletteHTTPException):      # unknown route, wrong method
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        resp = error(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code)
+        for k, v in (e.headers or {}).items():                               # 405: Allow
+            resp.headers[k] = v
+        return resp
+
     @app.exception_handler(Exception)
     async def bug(request: Request, e: Exception):
         log.exception("%s %s failed", request.method, request.url.path)
@@ -123,11 +132,18 @@ def add_generation_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
                                   num_prompts=1)
         return await respond(shaper, span, req.stream)
 
+    def model_card() -> dict:
+        return {"id": gw.model_name, "object": "model", "created": int(time.time()), "owned_by": "tandem",
+                "root": gw.model_dir, "parent": None, "max_model_len": gw.limits.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": gw.model_name, "object": "model", "created": int(time.time()), "owned_by": "tandem",
-            "root": gw.model_dir, "parent": None, "max_model_len": gw.limits.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):          # the openai client's models.retrieve
+        check_model(gw, model_id)
+        return model_card()
 
 
 def add_tokenizer_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:

@@ -4,6 +4,7 @@ checked against the model computed in this process, and the tokenizer endpoints.
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 import torch
 from openai import OpenAI
@@ -53,6 +54,25 @@ def test_models_and_tokenizer(api_cluster, client, http):
     assert eos == [2], "lm-eval finds the EOS id by tokenizing eos_token"
     chat = http.post("/tokenize", json={"messages": CHAT}).json()
     assert http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"].endswith("<|assistant|>\n")
+
+
+def test_model_retrieve_and_errors_in_openai_shape(api_cluster, client, http):
+    """models.retrieve (GET /v1/models/{id}); an unknown model, route or method answers in the OpenAI error
+    shape (never {"detail": ...}); num_speculative_tokens -1 says what is allowed."""
+    m = client.models.retrieve(api_cluster.model_name)
+    assert m.id == api_cluster.model_name and m.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found", e.value.body
+    for method, path, status in (("GET", "/v1/nothing", 404), ("DELETE", "/v1/completions", 405),
+                                 ("GET", "/v1/chat/completions", 405)):
+        r = http.request(method, path)
+        err = r.json()["error"]
+        assert r.status_code == status and "detail" not in r.json() and path in err["message"], r.text
+        assert err["type"] == "invalid_request_error" and err["code"] in ("not_found", "method_not_allowed")
+    assert "POST" in http.request("DELETE", "/v1/completions").headers.get("allow", "")
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "num_speculative_tokens": -1})
+    assert r.status_code == 400 and "must be >= 0, got -1" in r.json()["error"]["message"], r.text
 
 
 def test_completion_equals_grpc_and_plain_decoding(api_cluster, client):
