@@ -78,14 +78,17 @@ class GatewayConfig:
 
 def parse(argv) -> GatewayConfig:
     from infra.paths import default_model_dir
-    p = argparse.ArgumentParser(prog="tandem gateway", description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog="tandem gateway", description=DESCRIPTION,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint dir (for its tokenizer)")
-    p.add_argument("--target-addr", default="127.0.0.1:50052")
-    p.add_argument("--draft-addr", default="127.0.0.1:50053")
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=NUM_SPECULATIVE_TOKENS)
+    p.add_argument("--target-addr", default="127.0.0.1:50052", help="the target service")
+    p.add_argument("--draft-addr", default="127.0.0.1:50053", help="the draft service")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=NUM_SPECULATIVE_TOKENS,
+                   help="draft tokens per round (0: plain decoding); a request may ask for fewer")
     p.add_argument("--host", default="127.0.0.1", help="address of the gRPC and HTTP listeners")
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible REST API, /health, /metrics")
+    p.add_argument("--grpc-port", type=int, default=50051, help="the GenerateService")
+    p.add_argument("--http-port", "--port", type=int, default=8000,
+                   help="OpenAI-compatible REST API, /health, /metrics (--port: vLLM's and SGLang's name)")
     p.add_argument("--served-model-name", default="", help="the model name of the REST API (default: the "
                    "checkpoint directory's name)")
     p.add_argument("--api-key", default="", help="require `Authorization: Bearer KEY` on /v1/* "
@@ -94,10 +97,11 @@ def parse(argv) -> GatewayConfig:
                    "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing)")
     p.add_argument("--stats-interval", dest="stats_interval_s", type=float, default=10.0,
                    help="seconds between stats log lines (0: off)")
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--default-max-tokens", type=int, default=256)
-    p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument("--hidden-transport", default="auto")
+    p.add_argument("--max-batch", type=int, default=64, help="requests in one round")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a gRPC request that sets none")
+    p.add_argument("--max-logprobs", type=int, default=20, help="top-n logprobs a request may ask for")
+    p.add_argument("--hidden-transport", default="auto", help="how the target sends rows to the draft: "
+                   + " | ".join(HIDDEN_TRANSPORTS))
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a Prefill before new ones "
                    "get HTTP 429 / gRPC RESOURCE_EXHAUSTED (0: unbounded)")
     p.add_argument("--rpc-timeout", dest="rpc_timeout_s", type=float, default=60.0,

@@ -109,18 +109,19 @@ class ServiceConfig:
 
 def parse(role: str, argv, description: str) -> ServiceConfig:
     from models.tiny import default_model
-    p = argparse.ArgumentParser(prog=f"tandem {role}", description=description)
-    flags = {"port": "--grpc-port"}
+    p = argparse.ArgumentParser(prog=f"tandem {role}", description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    flags = {"port": ["--grpc-port"], "tp": ["--tp", "--tensor-parallel-size", "--tp-size"]}   # vLLM's, SGLang's names
     for f in fields(ServiceConfig):
         if f.name == "role":
             continue
         default = DEFAULT_PORTS[role] if f.name == "port" else (None if f.name == "model" else f.default)
-        flag = flags.get(f.name, "--" + f.name.replace("_", "-"))
+        names = flags.get(f.name, ["--" + f.name.replace("_", "-")])
         if isinstance(f.default, bool):
-            p.add_argument(flag, dest=f.name, action="store_true")
+            p.add_argument(*names, dest=f.name, action="store_true")
         else:
-            p.add_argument(flag, dest=f.name, default=default, type=type(f.default) if f.name != "model" else str,
-                           help=FLAG_HELP.get(f.name))
+            p.add_argument(*names, dest=f.name, default=default, type=type(f.default) if f.name != "model" else str,
+                           help=FLAG_HELP.get(f.name) or f.name.replace("_", " "))
     a = p.parse_args(argv)
     a.dist_addr = a.dist_addr or DEFAULT_DIST_ADDRS[role]
     if a.random_config:

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -185,9 +186,18 @@ BENCHES = {"acceptance": "tandem.bench:acceptance", "speed": "tandem.bench_speed
 
 def main(argv=None) -> int:
     argv = list(argv or [])
-    if not argv or argv[0] not in BENCHES:
-        print(f"usage: tandem bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
-        return 2
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
+        import importlib
+        lines = [f"usage: tandem bench {{{','.join(BENCHES)}}} [options]", "", "benchmarks (BENCHMARKS.md; "
+                 "`tandem bench NAME --help` for one's options):"]
+        for name, target in BENCHES.items():
+            module = importlib.import_module(target.split(":")[0])
+            text = " ".join((module.__doc__ or "").split()).split(": ", 1)[-1]
+            first = re.split(r"(?<=[.;])\s", text)[0].rstrip(".;")
+            lines.append(f"  {name:11s} {first}")
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print("\n".join(lines), file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     import importlib
     module, fn = BENCHES[argv[0]].split(":")
     return getattr(importlib.import_module(module), fn)(argv[1:])

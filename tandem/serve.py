@@ -38,9 +38,11 @@ def wait_serving(addr: str, proc: subprocess.Popen, name: str, timeout_s: float,
 
 def parse(argv):
     from models.tiny import default_model
-    p = argparse.ArgumentParser(prog="tandem serve", description=__doc__)
-    p.add_argument("--model", default=None)
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=NUM_SPECULATIVE_TOKENS)
+    p = argparse.ArgumentParser(prog="tandem serve", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=NUM_SPECULATIVE_TOKENS,
+                   help="draft tokens per round (0: plain decoding)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (target on cuda:0, draft on cuda:1 if present)")
     p.add_argument("--draft-device", default="", help="the draft's device, e.g. cuda:0 to share the target's GPU "
                    "(hidden rows then move by CUDA IPC); default: cuda:1 with --device cuda and two GPUs, else "
@@ -48,25 +50,27 @@ def parse(argv):
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--hidden-transport", default="auto", choices=HIDDEN_TRANSPORTS,
                    help="auto: NCCL between two GPUs, CUDA IPC on one GPU, gloo on CPU")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the gateway's listeners (the services bind loopback)")
     p.add_argument("--grpc-port", type=int, default=50051, help="the gateway's public gRPC port")
-    p.add_argument("--http-port", type=int, default=8000, help="the gateway's REST API (OpenAI-compatible)")
+    p.add_argument("--http-port", "--port", type=int, default=8000, help="the gateway's REST API (OpenAI-compatible; "
+                   "--port as vLLM and SGLang name it)")
     p.add_argument("--served-model-name", default="", help="model name of the REST API (default: the "
                    "checkpoint directory's name)")
     p.add_argument("--api-key", default="", help="require it as a Bearer token on /v1/* (default: $TANDEM_API_KEY)")
     p.add_argument("--otlp-endpoint", default="", help="OTLP/gRPC trace export from all three services "
                    "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing)")
-    p.add_argument("--target-port", type=int, default=50052)
-    p.add_argument("--draft-port", type=int, default=50053)
-    p.add_argument("--bridge-port", type=int, default=29650)
-    p.add_argument("--num-blocks", type=int, default=2048)
-    p.add_argument("--tp", type=int, default=1, help="target tensor-parallel ranks")
+    p.add_argument("--target-port", type=int, default=50052, help="the target service")
+    p.add_argument("--draft-port", type=int, default=50053, help="the draft service")
+    p.add_argument("--bridge-port", type=int, default=29650, help="the hidden-row bridge's rendezvous")
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks of 16 tokens, target and draft")
+    p.add_argument("--tp", "--tensor-parallel-size", "--tp-size", type=int, default=1,
+                   help="target tensor-parallel ranks (vLLM's and SGLang's names work too)")
     p.add_argument("--ep", type=int, default=1, help="target expert-parallel groups (divides --tp)")
     p.add_argument("--sequence-parallel", action="store_true", help="SP-MoE in target and draft")
     p.add_argument("--draft-tp", type=int, default=1, help="draft tensor-parallel ranks")
     p.add_argument("--dist-port", type=int, default=29660, help="rank-group rendezvous (target; draft: +10)")
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--max-batch", type=int, default=64, help="requests in one round")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds each process may take to serve")
     p.add_argument("--max-restarts", type=int, default=5, help="restarts of a process that exits, within "
                    "10 minutes, before the cluster stops (0: stop when any exits)")
     p.add_argument("--max-waiting", type=int, default=256, help="gateway: requests queued before new ones get "
