@@ -31,6 +31,7 @@ This is a helper, not a test file.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,13 +52,23 @@ REPO = Path(__file__).resolve().parent.parent
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
+PORT_RANGE = (20000, 29000)        # below the ephemeral range (32768-60999) and the defaults (29650-29670)
+
+
 def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (all held open together, so they differ)."""
+    """n distinct free TCP ports on 127.0.0.1 (all held open together, so they differ), taken below the
+    ephemeral range: between this call and a service's bind, the OS hands ephemeral ports to every other
+    socket that binds port 0 (gloo's pairs, gRPC's clients, another cluster's stores), which once took a
+    gateway's port here."""
     socks = []
     try:
-        for _ in range(n):
+        while len(socks) < n:
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", random.randrange(*PORT_RANGE)))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
