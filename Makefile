@@ -6,12 +6,18 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PROTOS := $(wildcard proto/tandem/v1/*.proto)
 
-.PHONY: run test install proto clean compose-check
+.PHONY: run test install install-test proto clean compose-check
+# what serving needs (make run); the test tools come on top (make test)
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+install-test: $(VENV)/.installed-test
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
@@ -23,7 +29,7 @@ tandem/v1/.generated: $(PROTOS) $(VENV)/.installed
 run: install proto
 	$(PY) -m tandem serve $(ARGS)
 
-test: install proto
+test: install-test proto
 	$(PY) -m pytest -q tests $(ARGS)
 
 # validate the compose files (Debian: apt-get install docker-compose; .ci/run installs it)
