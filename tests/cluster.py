@@ -56,10 +56,8 @@ PORT_RANGE = (20000, 29000)        # below the ephemeral range (32768-60999) and
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (all held open together, so they differ), taken below the
-    ephemeral range: between this call and a service's bind, the OS hands ephemeral ports to every other
-    socket that binds port 0 (gloo's pairs, gRPC's clients, another cluster's stores), which once took a
-    gateway's port here."""
+    """n distinct free TCP ports on 127.0.0.1 (held open together, so they differ), below the ephemeral range:
+    before a service binds one, the OS may give an ephemeral port to any socket on port 0 (gloo, gRPC clients)."""
     socks = []
     try:
         while len(socks) < n:
