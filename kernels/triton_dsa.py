@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_dot import dot, dot_precision
-from kernels.triton_mla import LOG2E, _combine_kernel, _sms, num_splits
+from kernels.triton_mla import LOG2E, _combine_kernel, _sms, num_splits, paged_softmax_step
 
 
 # --- indexer scores -----------------------------------------------------------------------------------------
@@ -101,22 +101,8 @@ def _gathered_tile(t, q, qp, m_i, l_i, acc, idx_ptr, ckv_ptr, kpe_ptr, bt_ptr, n
     # one online-softmax step over the keys listed in indices[n, t * BLOCK_N : (t + 1) * BLOCK_N]
     i = t * BLOCK_N + tl.arange(0, BLOCK_N)
     pos = tl.load(idx_ptr + n * s_in + i, mask=i < K, other=-1)                   # [BN] key positions
-    jm = pos >= 0
-    page = tl.load(bt_ptr + b * s_bt + pos // block_size, mask=jm, other=0).to(tl.int64)
-    row = pos % block_size
-    c = tl.load(ckv_ptr + (page * s_cb + row * s_cs)[:, None] + r[None, :], mask=jm[:, None] & rm[None, :],
-                other=0.0).to(q.dtype)                                            # [BN, BR]
-    k = tl.load(kpe_ptr + (page * s_kb + row * s_ks)[:, None] + p[None, :], mask=jm[:, None] & pm[None, :],
-                other=0.0).to(qp.dtype)                                           # [BN, BP]
-    s = dot(q, tl.trans(c), PRECISION) + dot(qp, tl.trans(k), PRECISION)          # [BH, BN] fp32
-    s = tl.where(jm[None, :], s * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                         # no live key yet
-    alpha = tl.exp2(m_i - m_safe)
-    e = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(e, 1)
-    acc = acc * alpha[:, None] + dot(e.to(c.dtype), c, PRECISION)
-    return m_new, l_i, acc
+    return paged_softmax_step(pos, pos >= 0, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, s_cb, s_cs, s_kb,
+                              s_ks, s_bt, block_size, scale_log2, r, p, rm, pm, PRECISION)
 
 
 @triton.jit

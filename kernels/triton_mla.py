@@ -31,7 +31,15 @@ def _key_tile(start, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, lo, hi, 
               block_size, scale_log2, r, p, rm, pm, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     # one online-softmax step over keys [start, start + BLOCK_N) ∩ [lo, hi) of request b
     j = start + tl.arange(0, BLOCK_N)
-    jm = (j >= lo) & (j < hi)
+    return paged_softmax_step(j, (j >= lo) & (j < hi), q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, s_cb,
+                              s_cs, s_kb, s_ks, s_bt, block_size, scale_log2, r, p, rm, pm, PRECISION)
+
+
+@triton.jit
+def paged_softmax_step(j, jm, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, s_cb, s_cs, s_kb, s_ks, s_bt,
+                       block_size, scale_log2, r, p, rm, pm, PRECISION: tl.constexpr):
+    # keys at positions j [BN] of request b (live where jm) through its block table: one online-softmax step
+    # of the absorbed MLA (shared by the dense kernel here and the sparse one, kernels/triton_dsa.py)
     page = tl.load(bt_ptr + b * s_bt + j // block_size, mask=jm, other=0).to(tl.int64)
     row = j % block_size
     c = tl.load(ckv_ptr + (page * s_cb + row * s_cs)[:, None] + r[None, :], mask=jm[:, None] & rm[None, :],

@@ -84,3 +84,10 @@ class Indexer(nn.Module):
         scores = scores.masked_fill(~causal, float("-inf"))
         idx = scores.topk(self.topk, dim=-1).indices                               # [B, T, topk]
         return torch.zeros(B, T, T, dtype=torch.bool, device=x.device).scatter_(-1, idx, True) & causal
+
+
+def set_sparse(model, on: bool) -> None:
+    """Every indexer of `model` on (DSA) or off (dense attention: the benchmarks' baseline)."""
+    for m in model.modules():
+        if isinstance(m, Indexer):
+            m.enabled = on

@@ -38,13 +38,6 @@ def fill_requests(cache, batch: int, context: int, seed: int) -> list[str]:
     return ids
 
 
-def set_sparse(model, on: bool) -> None:
-    from models.indexer import Indexer
-    for m in model.modules():
-        if isinstance(m, Indexer):
-            m.enabled = on
-
-
 def time_steps(model, cache, fwd, ids, k: int, warmup: int, iters: int, seed: int) -> float:
     """Median seconds of a verify step (forward + LM head over B x (K + 1) rows); the cache is rolled back."""
     g = torch.Generator().manual_seed(seed)
@@ -129,6 +122,7 @@ def core_floor_bytes(cfg, cache, context: int, k: int, sparse: bool) -> int:
 @torch.inference_mode()
 def measure(model, a, context: int, batch: int, bw: float) -> list[dict]:
     from models import cuda_graphs
+    from models.indexer import set_sparse
     from models.kv_cache import index_scoring_for
     from models.runner import new_cache
     rows = []

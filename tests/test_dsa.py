@@ -13,7 +13,7 @@ from conftest import rel_err
 from dsa_checkpoint import hf_greedy, make_v32_checkpoint
 from kernels import dsa
 from models.config import ConfigError, ModelConfig
-from models.indexer import Indexer
+from models.indexer import Indexer, set_sparse
 from models.loader import CheckpointError, load_model, load_weights
 from models.model import DraftModel, TargetModel
 from models.runner import forward_tokens, greedy_generate, new_cache
@@ -29,12 +29,6 @@ PROMPTS = [[(7 * i + 3 * s) % 500 + 3 for i in range(n)] for s, n in ((1, 30), (
 def v32(tmp_path_factory):
     path, hf = make_v32_checkpoint(tmp_path_factory.mktemp("v32") / "ckpt", seed=0)
     return path, hf, load_model(TargetModel, path), load_model(DraftModel, path)
-
-
-def set_sparse(model, on: bool) -> None:
-    for m in model.modules():
-        if isinstance(m, Indexer):
-            m.enabled = on
 
 
 def picks_of(model, run) -> list[torch.Tensor]:
