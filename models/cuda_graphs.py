@@ -135,7 +135,10 @@ class GraphedForward:
                 self.fn(s["tokens"], *args, **kw)
         torch.cuda.current_stream(self.cache.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        # the engine's own stream: torch.cuda.graph's default capture stream is one per process, made on the
+        # GPU that captured first, and would move a second engine's capture (draft on cuda:1) to that GPU
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
+                                                      capture_error_mode="thread_local"):
             out = self.fn(s["tokens"], *args, **kw)
         self.pool = graph.pool()
         log.debug("captured CUDA graph: %d requests, %d tokens %s", bp, n, kw or "")
