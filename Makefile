@@ -2,8 +2,16 @@
 # make test — the test suite (CPU; GPU tests skip without CUDA)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# CPU machines: the CPU wheel (on disk here). GPU machines: TORCH="torch" or a preinstalled torch.
+# torch by machine, whatever pip's configuration: without an NVIDIA GPU the CPU build (2.13.0+cpu, from
+# PyTorch's CPU index or a local wheel), checked after install; with one, PyPI's CUDA build. TORCH=... overrides.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
 TORCH  ?= torch==2.13.0
+TORCH_PIP ?=
+else
+TORCH  ?= torch==2.13.0+cpu
+TORCH_PIP ?= --extra-index-url https://download.pytorch.org/whl/cpu --retries 1
+endif
 PROTOS := $(wildcard proto/tandem/v1/*.proto)
 
 .PHONY: run test install install-test proto clean compose-check
@@ -12,7 +20,11 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --no-deps $(TORCH_PIP) "$(TORCH)"
 	$(PY) -m pip install -q "$(TORCH)"
+	@test "$(HAS_GPU)" = 1 || $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda is None else \
+		'make: a CUDA build of torch (' + torch.__version__ + ') is in $(VENV) on a machine without an NVIDIA GPU; ' \
+		'remove $(VENV) and run again with TORCH=\"torch==<version>+cpu\"')"
 	$(PY) -m pip install -q -e .
 	touch $@
 

@@ -26,7 +26,7 @@ WEIGHT_STD = 0.02
 BIAS_STD = 0.01
 
 # DeepSeek-V2-Lite's dimensions in DeepSeek-V3 form (sigmoid noaux_tc router with bias, one MTP layer):
-# 15.7 B parameters (../shared/PERF-NOTES.md). MLA without q-LoRA.
+# 15.7 B parameters (docs/DESIGN.md, "Floors"). MLA without q-LoRA.
 V2_LITE = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
     vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,

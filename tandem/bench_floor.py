@@ -8,7 +8,7 @@ run (a large device-to-device copy, bytes read + written / time):
   experts the routers actually picked in that step (counted per layer by hooks on the routers),
   the embedding rows of the step's distinct tokens and the whole LM head;
   KV: per layer, each request's cached positions x (kv_lora_rank + qk_rope_head_dim) elements.
-time / floor says how far the step is from what the memory system allows (../shared/PERF-NOTES.md).
+time / floor says how far the step is from what the memory system allows (docs/DESIGN.md, "Floors and the roofline").
 """
 from __future__ import annotations
 
