@@ -1,6 +1,6 @@
 """`tandem bench acceptance`: draft acceptance of the served cluster on held-out text; the dispatcher
 of every `tandem bench` (speed: tandem/bench_speed.py, bridge: bench_bridge.py, floor: bench_floor.py,
-dsa: bench_dsa.py).
+dsa: bench_dsa.py, overlap: bench_overlap.py).
 
 Starts `tandem serve` (or uses --gateway ADDR), sends held-out code prompts with greedy and
 temperature-1 decoding at K = 1..max, and reports vLLM's metrics: mean acceptance length
@@ -181,7 +181,8 @@ def acceptance(argv) -> int:
 
 BENCHES = {"acceptance": "tandem.bench:acceptance", "speed": "tandem.bench_speed:main",
            "inprocess": "tandem.bench_inprocess:main", "bridge": "tandem.bench_bridge:main",
-           "floor": "tandem.bench_floor:main", "dsa": "tandem.bench_dsa:main"}
+           "floor": "tandem.bench_floor:main", "dsa": "tandem.bench_dsa:main",
+           "overlap": "tandem.bench_overlap:main"}
 
 
 def main(argv=None) -> int:

@@ -120,32 +120,19 @@ def test_rejected_drafts_roll_back_keys_and_speculation_is_lossless(v32):
 
 
 def test_deployed_scoring_picks_the_exact_keys():
-    """4k keys of one request, 64 heads of 128 as DeepSeek-V3.2, i.i.d. Gaussian q, k and head weights (the
-    hardest case: top 2048 of 4096 cuts at the median, where scores are densest). The fp8 selection
-    (Hadamard, power-of-two scales) overlaps the fp32 one by >= 98 % (measured 98.4 %), and every key the
-    two disagree on is a near-tie: its exact score within 0.25 standard deviations of the exact cut."""
-    g = torch.Generator().manual_seed(0)
-    T, H, D, topk, bs = 4096, 64, 128, 2048, 64
-    k = torch.randn(T, D, generator=g)
-    q = torch.randn(4, H, D, generator=g)
-    w = torch.randn(4, H, generator=g) * H ** -0.5 * D ** -0.5
-    tables = torch.arange(T // bs, dtype=torch.int32)[None]
-    req, pos, ctx = torch.zeros(4, dtype=torch.int32), torch.arange(T - 4, T), torch.tensor([T], dtype=torch.int32)
-    scores = dsa.index_scores(q, w, k.view(-1, bs, D), None, tables, req, pos, ctx, T)
-    exact = dsa.topk_indices(scores, topk)
-    (qq, qs), (kq, ks) = dsa.quantize_pow2(dsa.rotate(q)), dsa.quantize_pow2(dsa.rotate(k))
+    """A 4k-token request as DeepSeek-V3.2's indexer sees it (64 heads of 128, top 2048; i.i.d. Gaussian keys,
+    queries and head weights): over the queries that select (positions 2048..4095, every 8th here; `tandem
+    bench overlap` measures them all), the fp8 selection (Hadamard, power-of-two scales) overlaps the fp32
+    one by >= 99 % on average (measured 99.1 %), by >= 97.5 % at the worst query (98.0 %: the last ones keep
+    half their keys, cutting where scores are densest), and every key the two disagree on is a near-tie:
+    its exact score within 0.25 standard deviations of the exact cut."""
+    from tandem.bench_overlap import selection_overlap
+    (kq, ks) = dsa.quantize_pow2(dsa.rotate(torch.randn(16, 128)))
     assert kq.dtype == torch.float8_e4m3fn and torch.equal(ks, torch.exp2(torch.log2(ks).round()))   # 2^n scales
-    dep = dsa.topk_indices(dsa.index_scores(qq, w * qs, kq.view(-1, bs, D), ks.view(-1, bs), tables, req, pos, ctx, T),
-                           topk)
-    overlap, gaps = [], []
-    for n in range(4):
-        a, b = set(exact[n].tolist()), set(dep[n].tolist())
-        overlap.append(len(a & b) / topk)
-        cut, spread = scores[n].topk(topk).values[-1], scores[n][: pos[n] + 1].std()
-        gaps.append(max(abs(scores[n, j] - cut).item() for j in a ^ b) / spread.item())
-    print(f"deployed vs exact, top {topk} of {T} keys: overlap {min(overlap):.4f} .. {max(overlap):.4f}, "
-          f"disagreements within {max(gaps):.3f} std of the cut")
-    assert min(overlap) >= 0.98 and max(gaps) <= 0.25, (overlap, gaps)
+    r = selection_overlap(4096, 2048, stride=8)
+    print(f"deployed vs exact, top 2048 of up to 4096 keys, {r['queries']} queries: mean overlap {r['mean']:.4f}, "
+          f"worst {r['min']:.4f}, disagreements within {r['max_gap_std']:.3f} std of the cut")
+    assert r["mean"] >= 0.99 and r["min"] >= 0.975 and r["max_gap_std"] <= 0.25, r
 
 
 def test_fp8_v32_checkpoint_loads_and_weights_proj_stays_fp32(v32, tmp_path):
