@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from infra.defaults import HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS
+from services.target.synthetic import parse_profile
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_PORTS = {"target": 50052, "draft": 50053}
@@ -20,7 +21,8 @@ FLAG_HELP = {
                      "(deployed on CUDA, exact on CPU). Ignored for models without an indexer",
     "synthetic_acceptance": "BENCHMARK ONLY, changes the output: the target accepts each draft token with "
                             "probability P (stopping at the first rejection) instead of checking it, after the "
-                            "real forward pass; greedy requests only. < 0: off (default)",
+                            "real forward pass; greedy requests only. P, or P1,P2,... per position (conditional "
+                            "on the one before; the last repeats), e.g. 0.92,0.72,0.36. Empty: off (default)",
 }
 
 
@@ -54,7 +56,7 @@ class ServiceConfig:
     max_logprobs: int = 20           # target: top-n alternatives a Prefill / Verify item may ask for
     random_config: str = ""          # a models/presets.py preset with random weights instead of --model
     seed: int = 0                    # --random-config: the weights' seed (target and draft must agree)
-    synthetic_acceptance: float = -1.0   # BENCHMARK ONLY (target): accept each draft with this probability
+    synthetic_acceptance: str = ""   # BENCHMARK ONLY (target): P or P1,P2,.. per position (services/target/synthetic.py)
     enforce_eager: bool = False      # cuda: no CUDA graphs (they are used where tp = 1, models/cuda_graphs.py)
     cuda_graph_max_batch: int = 64   # cuda: graphs for batches up to this are captured at start (larger: lazily)
     index_scoring: str = "auto"      # V3.2 indexer: auto | exact | deployed (models/kv_cache.index_scoring_for)
@@ -96,8 +98,10 @@ class ServiceConfig:
         need(0 <= self.rank < self.tp, f"--rank must be in [0, {self.tp}), got {self.rank}")
         need(self.max_message_bytes >= 1 << 16, f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
         need(self.max_draft_tokens >= 0 and self.max_logprobs >= 0, "--max-draft-tokens and --max-logprobs must be >= 0")
-        need(self.synthetic_acceptance < 0 or 0 <= self.synthetic_acceptance <= 1,
-             f"--synthetic-acceptance must be in [0, 1] (or < 0: off), got {self.synthetic_acceptance}")
+        try:
+            parse_profile(self.synthetic_acceptance)
+        except ValueError as e:
+            need(False, f"{e}")
         self.tls.validate(f"tandem {self.role}")
         return self
 

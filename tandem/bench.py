@@ -1,6 +1,7 @@
 """`tandem bench acceptance`: draft acceptance of the served cluster on held-out text; the dispatcher
 of every `tandem bench` (speed: tandem/bench_speed.py, bridge: bench_bridge.py, floor: bench_floor.py,
-dsa: bench_dsa.py, overlap: bench_overlap.py).
+dsa: bench_dsa.py, overlap: bench_overlap.py,
+profile: bench_profile.py).
 
 Starts `tandem serve` (or uses --gateway ADDR), sends held-out code prompts with greedy and
 temperature-1 decoding at K = 1..max, and reports vLLM's metrics: mean acceptance length
@@ -182,7 +183,7 @@ def acceptance(argv) -> int:
 BENCHES = {"acceptance": "tandem.bench:acceptance", "speed": "tandem.bench_speed:main",
            "inprocess": "tandem.bench_inprocess:main", "bridge": "tandem.bench_bridge:main",
            "floor": "tandem.bench_floor:main", "dsa": "tandem.bench_dsa:main",
-           "overlap": "tandem.bench_overlap:main"}
+           "overlap": "tandem.bench_overlap:main", "profile": "tandem.bench_profile:main"}
 
 
 def main(argv=None) -> int:

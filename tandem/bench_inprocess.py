@@ -28,7 +28,7 @@ def service_devices(device: str) -> tuple[str, str]:
 
 
 def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_blocks: int = 2048,
-                 synthetic_acceptance: float | None = None, eager: bool = False) -> tuple[TargetEngine, DraftEngine]:
+                 synthetic_acceptance: tuple[float, ...] | None = None, eager: bool = False) -> tuple[TargetEngine, DraftEngine]:
     """Target and draft engines placed and built as the services build them (services/launch.py)."""
     from models.model import DraftModel, TargetModel
     from services.config import DTYPES
@@ -107,8 +107,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu | cuda (target cuda:0, draft cuda:1 if present)")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--synthetic-acceptance", type=float, default=-1.0,
-                   help="BENCHMARK ONLY: accept each draft with probability P (greedy; changes the output)")
+    p.add_argument("--synthetic-acceptance", default="", help="BENCHMARK ONLY: accept each draft with probability "
+                   "P, or P1,P2,... per position (greedy; changes the output; services/target/synthetic.py)")
     p.add_argument("--ks", default="0,3")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--requests-per-batch", type=int, default=2)
@@ -129,10 +129,12 @@ def random_id(a) -> str | None:
     return random_model_id(a.random_config, a.seed) if a.random_config else None
 
 
-def run_grid(model: str, a) -> list[dict]:
-    """Every (batch, K) of a's grid in this process (ks, batches, requests_per_batch, max_tokens, ...)."""
+def run_grid(model: str, a, profile: str | None = None) -> list[dict]:
+    """Every (batch, K) of a's grid in this process (ks, batches, requests_per_batch, max_tokens, ...), with
+    synthetic acceptance `profile` (default a.synthetic_acceptance)."""
+    from services.target.synthetic import parse_profile
     from tandem.bench import bench_prompts
-    synth = a.synthetic_acceptance if a.synthetic_acceptance >= 0 else None
+    synth = parse_profile(a.synthetic_acceptance if profile is None else profile)
     te, de = make_engines(model, a.device, a.dtype, synthetic_acceptance=synth)
     ks = [int(x) for x in str(a.ks).split(",")]
     rows = []

@@ -4,9 +4,14 @@ the draft's bridge transfer and its compute), verify (the Verify RPC wall, of wh
 compute) and gateway (the round less both RPCs), read from the gateway's
 `tandem:round_phase_seconds` before and after each measured run. With --in-process the
 same grid runs afterwards in one process (tandem/bench_inprocess.py): served / in-process tokens/s
-is the cost of splitting the model into services.
+is the cost of splitting the model into services. Each row also gives its roofline (tandem/roofline.py):
+the ideal round (byte floors of the verify step and of K draft steps at that batch and context, at the
+copy bandwidth measured on the device in the same run), the tokens/s it allows at the measured mean
+acceptance length, and the fraction reached. --synthetic-acceptance may be given several times (a cluster
+per profile): a constant, and a per-position profile like DeepSeek-R1's published MTP runs.
 
-    tandem bench speed --device cuda --random-config v2-lite --synthetic-acceptance 0.85 --ks 0,3 --batches 1,32
+    tandem bench speed --device cuda --random-config v2-lite --synthetic-acceptance 0.85 \
+        --synthetic-acceptance 0.92,0.72,0.36 --ks 0,3 --batches 1,32
 
 Greedy requests sent as token ids (seeded 1000 + i), ignore_eos. Unknown flags go to `tandem serve`.
 """
@@ -69,21 +74,23 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
 
 def table(rows: list[dict]) -> str:
     inproc = any("inprocess_tokens_per_s" in r for r in rows)
-    head = ["batch", "K", "served tok/s", "speedup vs K=0", "mean acc. length", "round ms", "propose ms",
+    head = ["acceptance", "batch", "K", "served tok/s", "speedup vs K=0", "mean acc. length", "round ms", "propose ms",
             "transfer ms", "draft compute ms", "verify ms", "target compute ms", "RPC overhead ms", "gateway ms"]
     head += ["in-process tok/s", "in-process speedup", "served / in-process"] if inproc else []
+    head += ["ideal round ms", "ideal tok/s", "served of ideal"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         s = r["ms_per_round"]
         ms = (lambda ph: f"{s[ph]:.2f}") if s else (lambda ph: "")
         rpc = (f"{s['propose'] - s['transfer'] - s['draft_compute'] + s['verify'] - s['target_compute']:.2f}"
                if s else "")
-        cells = [r["batch"], r["k"], f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
+        cells = [r["acceptance"], r["batch"], r["k"], f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
                  f"{r['mean_acceptance_length']:.2f}", ms("round"), ms("propose"), ms("transfer"),
                  ms("draft_compute"), ms("verify"), ms("target_compute"), rpc, ms("gateway")]
         if inproc:
             cells += [f"{r['inprocess_tokens_per_s']:.1f}", f"{r['inprocess_speedup']:.2f}",
                       f"{r['served_over_inprocess']:.2f}"]
+        cells += [f"{r['ideal_round_ms']:.2f}", f"{r['ideal_tokens_per_s']:.0f}", f"{r['of_ideal']:.0%}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -93,12 +100,15 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for k in sorted({r["k"] for r in rows}):
-        rs = [r for r in rows if r["k"] == k]
-        ax.plot([r["batch"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=f"served K={k}")
+    for acc, k in sorted({(r["acceptance"], r["k"]) for r in rows}):
+        rs = [r for r in rows if r["k"] == k and r["acceptance"] == acc]
+        name = f"K={k}" if k == 0 or len({r["acceptance"] for r in rows}) == 1 else f"K={k} ({acc})"
+        if k == 0 and acc != rows[0]["acceptance"]:
+            continue                                   # K = 0 does not depend on the acceptance profile
+        ax.plot([r["batch"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=f"served {name}")
         if all("inprocess_tokens_per_s" in r for r in rs):
             ax.plot([r["batch"] for r in rs], [r["inprocess_tokens_per_s"] for r in rs], marker="x",
-                    linestyle="--", label=f"in-process K={k}")
+                    linestyle="--", label=f"in-process {name}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch (concurrent requests)")
     ax.set_ylabel("decode tokens / s")
@@ -116,7 +126,8 @@ def plot(rows: list[dict], path: Path) -> None:
                         if key == "rpc" else s[key])
         bx.bar(range(len(split)), vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    bx.set_xticks(range(len(split)), [f"B{r['batch']} K{r['k']}" for r in split], rotation=45)
+    bx.set_xticks(range(len(split)), [f"B{r['batch']} K{r['k']} {r['acceptance']}" for r in split], rotation=45,
+                  fontsize=7)
     bx.set_ylabel("ms per round (served)")
     bx.legend(fontsize=8)
     fig.tight_layout()
@@ -131,9 +142,9 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0, help="seed of the --random-config weights")
     p.add_argument("--device", default="cpu", help="cpu | cuda (target cuda:0, draft cuda:1 if present)")
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--synthetic-acceptance", type=float, default=-1.0, help="BENCHMARK ONLY, changes the "
-                   "output: the target accepts each draft with probability P after its real forward (greedy; "
-                   "< 0: off). Makes speedup measurable on random weights")
+    p.add_argument("--synthetic-acceptance", action="append", default=[], help="BENCHMARK ONLY, changes the "
+                   "output: the target accepts each draft with probability P, or P1,P2,... per position, after its "
+                   "real forward (greedy). Repeat for several profiles. Makes speedup measurable on random weights")
     p.add_argument("--gateway", default=None, help="use a running gateway (HOST:PORT) instead of starting one")
     p.add_argument("--metrics", default=None, help="with --gateway: its HTTP HOST:PORT (/metrics) for the split")
     p.add_argument("--ks", default="0,1,2,3,4")
@@ -146,20 +157,14 @@ def parse(argv):
     return p.parse_known_args(argv)
 
 
-def main(argv=None) -> int:
-    from tandem.bench_inprocess import random_id, run_grid
-    from models.tiny import default_model
-    a, extra = parse(argv)
-    rid = random_id(a)
-    model = rid or str(a.model or default_model())
+def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) -> list[dict]:
+    """The served grid with one synthetic acceptance profile ('' : the model's own), then in process."""
     ks = [int(x) for x in a.ks.split(",")]
     serve_args = ["--device", a.device] + (["--dtype", a.dtype] if a.dtype else [])
     if a.random_config:
         serve_args += ["--random-config", a.random_config, "--seed", str(a.seed)]
-    if a.synthetic_acceptance >= 0:
-        print(f"WARNING: BENCHMARK ONLY --synthetic-acceptance {a.synthetic_acceptance}: drafts are accepted at "
-              "random after the real forward pass; outputs are not the model's", file=sys.stderr, flush=True)
-        serve_args += ["--synthetic-acceptance", str(a.synthetic_acceptance)]
+    if profile:
+        serve_args += ["--synthetic-acceptance", profile]
     proc, http = None, a.metrics
     if a.gateway is None:
         proc, a.gateway, http = start_cluster(None if rid else model, max(ks), serve_args + extra)
@@ -170,17 +175,21 @@ def main(argv=None) -> int:
             prompts = bench_prompts(model, b * a.requests_per_batch, a.prompt_tokens, seed=b)
             for k in ks:
                 r = run_served(stub, http, prompts, k, b, a.max_tokens)
+                r["acceptance"] = profile or "model"
                 rows.append(r)
-                print(f"served batch {b:3d} K={k}: {r['tokens_per_s']:9.1f} tok/s  MAL "
+                print(f"served {r['acceptance']} batch {b:3d} K={k}: {r['tokens_per_s']:9.1f} tok/s  MAL "
                       f"{r['mean_acceptance_length']:.2f}  ms/round {r['ms_per_round'].get('round', 0):.2f}", flush=True)
     finally:
         stop_cluster(proc)
+        if proc is not None:
+            a.gateway = None
     for b in {r["batch"] for r in rows}:
         base = next(r["tokens_per_s"] for r in rows if r["batch"] == b)
         for r in (r for r in rows if r["batch"] == b):
             r["speedup"] = r["tokens_per_s"] / base
     if a.in_process:
-        inproc = {(r["batch"], r["k"]): r for r in run_grid(model, a)}
+        from tandem.bench_inprocess import run_grid
+        inproc = {(r["batch"], r["k"]): r for r in run_grid(model, a, profile)}
         for r in rows:
             ip = inproc[(r["batch"], r["k"])]
             base = inproc[(r["batch"], ks[0])]["tokens_per_s"]
@@ -188,13 +197,50 @@ def main(argv=None) -> int:
                      served_over_inprocess=r["tokens_per_s"] / ip["tokens_per_s"],
                      inprocess_ms_per_round=ip["ms_per_round"],
                      inprocess_mean_acceptance_length=ip["mean_acceptance_length"])
-    synth = (f"; WARNING: BENCHMARK ONLY synthetic acceptance {a.synthetic_acceptance} (drafts accepted at random "
-             "after the real forward; outputs are not the model's)" if a.synthetic_acceptance >= 0 else "")
+    return rows
+
+
+def add_roofline(rows: list[dict], model: str, a) -> float:
+    """Each row's ideal round, ideal tokens/s and the fraction served reaches -> the bandwidth used."""
+    import torch
+
+    from services.config import DTYPES
+    from tandem.bench_floor import copy_bandwidth
+    from tandem.roofline import round_floor_ms
+    device = "cuda:0" if a.device == "cuda" else a.device
+    bw = copy_bandwidth(device, (2048 if device.startswith("cuda") else 64) << 20)
+    dtype = DTYPES[a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+    context = a.prompt_tokens + a.max_tokens // 2                       # mean cached positions while decoding
+    for r in rows:
+        r.update(round_floor_ms(model, dtype, r["batch"], r["k"], context, bw))
+        r["ideal_tokens_per_s"] = r["batch"] * r["mean_acceptance_length"] / (r["ideal_round_ms"] / 1000)
+        r["of_ideal"] = r["tokens_per_s"] / r["ideal_tokens_per_s"]
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return bw
+
+
+def main(argv=None) -> int:
+    from tandem.bench_inprocess import random_id
+    from models.tiny import default_model
+    a, extra = parse(argv)
+    rid = random_id(a)
+    model = rid or str(a.model or default_model())
+    profiles = a.synthetic_acceptance or [""]
+    if any(profiles):
+        print(f"WARNING: BENCHMARK ONLY --synthetic-acceptance {' / '.join(profiles)}: drafts are accepted at "
+              "random after the real forward pass; outputs are not the model's", file=sys.stderr, flush=True)
+    rows = [r for profile in profiles for r in run_profile(model, rid, a, extra, profile)]
+    bw = add_roofline(rows, model, a)
+    synth = (f"; WARNING: BENCHMARK ONLY synthetic acceptance {' / '.join(profiles)} (drafts accepted at random "
+             "after the real forward; outputs are not the model's)" if any(profiles) else "")
     md = (f"Speed of {model} on {a.device} ({time.strftime('%Y-%m-%d')}), greedy, {a.prompt_tokens}-token prompts, "
           f"{a.max_tokens} new tokens, {a.requests_per_batch} x batch requests after one warm-up batch{synth}\n"
           f"`tandem bench speed {' '.join(argv or [])}`\n\n" + table(rows) + "\n\n"
           "ms per round: propose / verify are the RPC walls seen by the gateway; transfer and draft compute are "
           "inside propose, target compute inside verify; RPC overhead = propose + verify less those; gateway = "
-          "round less both RPCs.\n")
+          "round less both RPCs. Ideal round: byte floors of the verify step and of K draft steps (tandem/roofline.py) "
+          f"at {a.prompt_tokens + a.max_tokens // 2} cached positions and {bw / 1e12:.2f} TB/s (copy bandwidth measured "
+          "in this run); ideal tok/s = batch x mean acceptance length / ideal round.\n")
     write_results(a.out, "speed", md, rows, lambda path: plot(rows, path))
     return 0

@@ -12,7 +12,7 @@ from models.model import DraftModel, TargetModel
 from models.presets import build_random, parse_random_id, random_identity, random_model_id
 from services.identity import model_identity
 from services.sampling import Sampling
-from services.target.synthetic import expected_acceptance_length, synthetic_accept
+from services.target.synthetic import R1_LIKE, expected_acceptance_length, parse_profile, synthetic_accept
 from tandem.bench_inprocess import make_engines, run_loop
 
 TINY = random_model_id("tiny", 0)
@@ -30,8 +30,18 @@ def test_random_preset_shares_embedding_and_head_and_identity():
         random_model_id("nope", 0)
 
 
-@pytest.mark.parametrize("p,k", [(0.85, 3), (0.5, 4), (0.0, 2), (1.0, 3)])
-def test_synthetic_acceptance_is_geometric(p, k):
+def test_acceptance_profiles_parse_and_published_r1_lengths_follow():
+    assert parse_profile("0.85") == (0.85,) and parse_profile("0.92,0.72,0.36") == R1_LIKE
+    assert parse_profile("") is None and parse_profile("-1") is None
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        parse_profile("0.9,1.2")
+    # TensorRT-LLM's DeepSeek-R1 MTP accept lengths with 1 / 2 / 3 drafts: 1.92 / 2.58 / 2.82
+    assert [round(expected_acceptance_length(R1_LIKE, k), 2) for k in (1, 2, 3)] == [1.92, 2.58, 2.82]
+
+
+@pytest.mark.parametrize("p,k", [((0.85,), 3), ((0.5,), 4), ((0.0,), 2), ((1.0,), 3), ((0.92, 0.72, 0.36), 3),
+                                 ((0.9, 0.5), 4)])
+def test_synthetic_acceptance_follows_its_profile(p, k):
     n = 4000
     gens = [torch.Generator().manual_seed(i) for i in range(n)]
     target = torch.randint(100, 200, (n, k + 1))
@@ -39,6 +49,11 @@ def test_synthetic_acceptance_is_geometric(p, k):
     accepted, emitted = synthetic_accept(target, drafts, torch.full((n,), k), p, gens)
     mal = 1 + accepted.float().mean().item()
     assert abs(mal - expected_acceptance_length(p, k)) < 0.06, (mal, expected_acceptance_length(p, k))
+    for i in range(k):                                      # position i accepted given i - 1 was: P_i
+        reached = (accepted >= i).sum().item()
+        if reached > 200:
+            rate = (accepted >= i + 1).sum().item() / reached
+            assert abs(rate - p[min(i, len(p) - 1)]) < 0.05, (i, rate, p)
     for b in range(50):                                     # accepted drafts, then the target's own token
         a = int(accepted[b])
         assert emitted[b, :a].tolist() == drafts[b, :a].tolist() and int(emitted[b, a]) == int(target[b, a])
@@ -46,7 +61,7 @@ def test_synthetic_acceptance_is_geometric(p, k):
 
 
 def test_synthetic_acceptance_in_the_engine_rolls_back_like_a_rejection():
-    te, de = make_engines(TINY, synthetic_acceptance=0.8)
+    te, de = make_engines(TINY, synthetic_acceptance=(0.8,))
     prompts = [[(7 * i + j) % 500 for j in range(12)] for i in range(4)]
     r = run_loop(te, de, prompts, k=3, batch=4, max_tokens=60)
     assert 2.5 < 1 + r.accepted / r.drafts < 3.4, 1 + r.accepted / r.drafts     # expected 2.95
@@ -71,16 +86,20 @@ def test_bench_speed_served_split_and_inprocess(tmp_path):
     """The whole CLI: starts `tandem serve --random-config tiny --synthetic-acceptance`, measures, stops."""
     cmd = [sys.executable, "-m", "tandem", "bench", "speed", "--random-config", "tiny", "--ks", "0,2",
            "--batches", "1,2", "--max-tokens", "8", "--requests-per-batch", "1", "--prompt-tokens", "16",
-           "--synthetic-acceptance", "0.9", "--in-process", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+           "--synthetic-acceptance", "0.9", "--synthetic-acceptance", "0.95,0.2", "--in-process", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "BENCHMARK ONLY" in proc.stderr and "WARNING" in proc.stderr
     md = (tmp_path / "speed.md").read_text()
-    for col in ("propose ms", "transfer ms", "verify ms", "gateway ms", "served / in-process", "BENCHMARK ONLY"):
+    for col in ("propose ms", "transfer ms", "verify ms", "gateway ms", "served / in-process", "BENCHMARK ONLY",
+                "ideal round ms", "served of ideal"):
         assert col in md, col
     rows = json.loads((tmp_path / "speed.json").read_text())
-    assert [(r["batch"], r["k"]) for r in rows] == [(1, 0), (1, 2), (2, 0), (2, 2)]
-    for r in rows:
+    assert [(r["acceptance"], r["batch"], r["k"]) for r in rows] == [
+        (p, b, k) for p in ("0.9", "0.95,0.2") for b in (1, 2) for k in (0, 2)]
+    for r in rows:                                          # the roofline: floors of verify and draft steps
+        assert r["verify_floor_ms"] > 0 and (r["draft_floor_ms"] > 0) == (r["k"] > 0)
+        assert 0 < r["of_ideal"] <= 1.05, r                 # nothing beats its byte floor (measured bandwidth)
         assert r["tokens"] == 8 * r["batch"] and r["rounds"] > 0
         s = r["ms_per_round"]
         assert s["round"] > 0 and s["verify"] > s["target_compute"] > 0

@@ -55,7 +55,7 @@ class _Request:
 
 class TargetEngine:
     graph_row_inputs = 0                     # CUDA graphs: tokens only
-    synthetic_acceptance: float | None = None   # BENCHMARK ONLY: services/target/synthetic.py
+    synthetic_acceptance: tuple[float, ...] | None = None   # BENCHMARK ONLY: services/target/synthetic.py
 
     def __init__(self, model, cache: PagedKVCache, max_model_len: int):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len

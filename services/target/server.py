@@ -17,6 +17,7 @@ from services.launch import run_service
 from services.ranks import RankGroup
 from services.servicer import ServicerBase
 from services.sampling import Sampling
+from services.target.synthetic import parse_profile
 from services.target.engine import TargetEngine
 from infra import grpc_server, tracing
 from tandem.v1 import rows_pb2, target_pb2, target_pb2_grpc
@@ -34,11 +35,12 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
         self.cfg, self.group, self.engine, self.channel = cfg, group, group.engine, channel
         self.lock = threading.Lock()          # one step at a time: the engine owns the cache
         self._transfer_ids = itertools.count(1)
-        if cfg.synthetic_acceptance >= 0:       # rank 0 decides acceptance, so only its engine needs it
-            self.engine.synthetic_acceptance = cfg.synthetic_acceptance
-            log.warning("BENCHMARK ONLY: --synthetic-acceptance %.3f: drafts are accepted at random with that "
-                        "probability, not checked; the output is NOT the model's (greedy requests only)",
-                        cfg.synthetic_acceptance)
+        profile = parse_profile(cfg.synthetic_acceptance)
+        if profile is not None:                 # rank 0 decides acceptance, so only its engine needs it
+            self.engine.synthetic_acceptance = profile
+            log.warning("BENCHMARK ONLY: --synthetic-acceptance %s: drafts are accepted at random with that "
+                        "probability per position, not checked; the output is NOT the model's (greedy requests "
+                        "only)", cfg.synthetic_acceptance)
 
     def _rows(self, want: bool, transport: int, request_ids, rows_per_request, rows) -> rows_pb2.HiddenRows | None:
         if not want:
