@@ -14,7 +14,7 @@ positions indices[n, :] lists (-1: no key); fp32 online softmax; a row with no k
 program per (query row, block of BLOCK_H heads, split of the index list); its key tiles are gathered:
 slot t of the list is key pos = indices[n, t] at page block_tables[b, pos // block_size]. With S > 1
 splits (decode: few rows, k = 2048 keys each) the splits' (acc, max, sum) go to triton_mla's fp32
-workspace and its `_combine_kernel` merges them.
+workspace and `combine_splits` (kernels/triton_mla.py) merges them.
 
 Grids, splits and constexprs come from shapes alone and nothing is read back to the host: both launch
 inside a CUDA graph, into static `out` buffers if given. Runs compiled on CUDA tensors, or on CPU
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_dot import dot, dot_precision
-from kernels.triton_mla import LOG2E, _combine_kernel, _sms, num_splits, paged_softmax_step
+from kernels.triton_mla import LOG2E, _sms, combine_splits, num_splits, paged_softmax_step
 
 
 # --- indexer scores -----------------------------------------------------------------------------------------
@@ -188,6 +188,5 @@ def sparse_mla_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor
                              DYNAMIC_LOOP=q_lat.is_cuda, PRECISION=dot_precision(q_lat),
                              num_warps=num_warps or (8 if block_r >= 256 else 4), num_stages=2)
     if splits > 1:
-        _combine_kernel[grid[:2]](ws, ml, out, out.stride(0), out.stride(1), H, R,
-                                  BLOCK_H=block_h, BLOCK_R=block_r, SPLITS=splits, num_warps=4)
+        combine_splits(ws, ml, out, block_h, block_r, splits)
     return out

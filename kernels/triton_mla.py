@@ -103,31 +103,37 @@ def _mla_kernel(ql_ptr, qp_ptr, ckv_ptr, kpe_ptr, bt_ptr, req_ptr, pos_ptr, clen
                  mask=omask)
     else:                                                 # ws [N, S, H, BLOCK_R], ml [N, S, H, 2] fp32
         row = (n * SPLITS + split) * H + heads
-        tl.store(ws_ptr + row[:, None] * BLOCK_R + r[None, :], acc, mask=omask)
+        # a split with no key writes only m = -inf: the combine skips its partial sums
+        has_keys = (tl.zeros([BLOCK_H], tl.int32) + t1) > t0                      # [BH], one value
+        tl.store(ws_ptr + row[:, None] * BLOCK_R + r[None, :], acc, mask=omask & has_keys[:, None])
         tl.store(ml_ptr + row * 2, m_i, mask=hm)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=hm)
 
 
 @triton.jit
 def _combine_kernel(ws_ptr, ml_ptr, out_ptr, s_on, s_oh, H, R,
-                    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr):
-    # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s (splits with no key: m_s = -inf)
+                    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SPLITS: tl.constexpr):
+    # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s (splits with no key: m_s = -inf,
+    # their partial sums neither written nor read); one program per (row, head block, BLOCK_C columns)
     n = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = heads < H
-    r = tl.arange(0, BLOCK_R)
+    r = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     omask = hm[:, None] & (r < R)[None, :]
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for s in range(SPLITS):
         m = tl.maximum(m, tl.load(ml_ptr + ((n * SPLITS + s) * H + heads) * 2, mask=hm, other=float("-inf")))
     m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     for s in range(SPLITS):
         row = (n * SPLITS + s) * H + heads
-        w = tl.exp2(tl.load(ml_ptr + row * 2, mask=hm, other=float("-inf")) - m)
+        ms = tl.load(ml_ptr + row * 2, mask=hm, other=float("-inf"))
+        w = tl.exp2(ms - m)
         l += w * tl.load(ml_ptr + row * 2 + 1, mask=hm, other=0.0)
-        acc += w[:, None] * tl.load(ws_ptr + row[:, None] * BLOCK_R + r[None, :], mask=omask, other=0.0)
+        live = ms > float("-inf")                                                 # the split saw a key
+        acc += w[:, None] * tl.load(ws_ptr + row[:, None] * BLOCK_R + r[None, :], mask=omask & live[:, None],
+                                    other=0.0)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + n * s_on + heads[:, None] * s_oh + r[None, :], out.to(out_ptr.dtype.element_ty), mask=omask)
 
@@ -182,6 +188,15 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Ten
                       DYNAMIC_LOOP=q_lat.is_cuda, PRECISION=dot_precision(q_lat),
                       num_warps=num_warps or (8 if block_r >= 256 else 4), num_stages=2)
     if splits > 1:
-        _combine_kernel[grid[:2]](ws, ml, out, out.stride(0), out.stride(1), H, R,
-                                  BLOCK_H=block_h, BLOCK_R=block_r, SPLITS=splits, num_warps=4)
+        combine_splits(ws, ml, out, block_h, block_r, splits)
     return out
+
+
+def combine_splits(ws: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, block_h: int, block_r: int,
+                   splits: int) -> None:
+    """Merge the key splits' partial (acc, max, sum) of a split attention kernel into out [N, h, R]."""
+    N, H, R = out.shape
+    block_c = min(block_r, 128)
+    _combine_kernel[(N, triton.cdiv(H, block_h), block_r // block_c)](
+        ws, ml, out, out.stride(0), out.stride(1), H, R, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_C=block_c,
+        SPLITS=splits, num_warps=4)

@@ -356,7 +356,7 @@ KERNELS = [(tm._mla_kernel, dict.fromkeys(["ql_ptr", "qp_ptr", "ckv_ptr", "kpe_p
            (tm._mla_kernel, dict.fromkeys(["ql_ptr", "qp_ptr", "ckv_ptr", "kpe_ptr", "out_ptr"], "*fp32"),
             dict(req_ptr="*i32", pos_ptr="*i64", clen_ptr="*i32", bt_ptr="*i32", **F32),
             {**MLA, "BLOCK_N": 16, "SPLITS": 1, "PRECISION": "ieee"}),
-           (tm._combine_kernel, dict(out_ptr="*bf16"), F32, dict(BLOCK_H=16, BLOCK_R=512, SPLITS=4)),
+           (tm._combine_kernel, dict(out_ptr="*bf16"), F32, dict(BLOCK_H=16, BLOCK_R=512, BLOCK_C=128, SPLITS=4)),
            (tmo._gate_up_kernel, dict.fromkeys(["x_ptr", "w_ptr", "h_ptr"], "*bf16"), I32,
             {**MOE, "PRECISION": "tf32"}),
            (tmo._down_kernel, dict.fromkeys(["h_ptr", "w_ptr", "out_ptr"], "*bf16"), dict(rw_ptr="*fp32", **I32),
