@@ -9,16 +9,19 @@ succeeds): a draft that answers health yet fails every Propose must not stall ea
 timeout. Stale requests
 are re-synced before the draft proposes for them again (gateway/resync.py).
 
-Target: up, or down (a call failed UNAVAILABLE, or its health check did). While down new requests
-are refused at once (HTTP 503 / gRPC UNAVAILABLE) instead of queued; requests running when it went
-down have already failed with the call's status. It is up again once its health says SERVING and
-its GetInfo still describes the model this gateway started with (gateway/watch.py checks that).
+Target: up, or down (a call failed UNAVAILABLE, or its health check did: refused, or no answer within
+its deadline several times in a row, gateway/watch.py). While down new requests are refused at once
+(HTTP 503 / gRPC UNAVAILABLE) instead of queued, and every request the gateway holds fails at once
+with UNAVAILABLE: the call in flight is cut short (InFlight) rather than left to wait out its timeout
+on a target that stopped answering without exiting (its connection stays open). It is up again once
+its health says SERVING and its GetInfo still describes the model this gateway started with.
 
 Back-pressure: at most `max_waiting` requests queue for a Prefill; beyond it new ones are refused
 (HTTP 429 / gRPC RESOURCE_EXHAUSTED).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -95,3 +98,33 @@ class Availability:
             return grpc.StatusCode.RESOURCE_EXHAUSTED, (f"too many requests queued: {waiting} waiting, the limit "
                                                         f"is {self.max_waiting} (--max-waiting); retry later")
         return None
+
+
+class InFlight:
+    """The one Prefill, re-sync or round the scheduler awaits at a time, kept so that `cut` can end it
+    (gRPC cancels its RPC) when the target is found down."""
+
+    def __init__(self):
+        self._task: asyncio.Future | None = None
+        self._cut: str | None = None              # why the call in flight was cut short
+
+    async def run(self, call) -> str | None:
+        """Await `call` -> None, or why `cut` ended it first."""
+        task = self._task = asyncio.ensure_future(call)
+        try:
+            await task
+            return None
+        except asyncio.CancelledError:
+            if self._cut is None:
+                raise                              # the gateway itself is stopping
+            return self._cut
+        finally:
+            self._task, self._cut = None, None
+
+    def cut(self, reason: str) -> bool:
+        """End the call in flight now; False when there is none."""
+        if self._task is None or self._task.done():
+            return False
+        self._cut = reason
+        self._task.cancel()
+        return True

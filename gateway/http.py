@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import openai_api as api
 from gateway.core import UINT64, GenerationError, Gateway, RequestError
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics, hidden_transport
 from gateway.responses import Choice, CompletionShaper
 from infra import tracing
 
@@ -191,7 +191,7 @@ def add_operations_routes(app: FastAPI, gw: Gateway, metrics: GatewayMetrics, lo
         elif avail.target_down is not None:         # answers GetInfo, not yet back for the gateway
             reasons.append(f"target unavailable ({avail.target_down})")
         body = {"status": "unavailable" if reasons else "ok", "model": gw.model_name,
-                "speculation": avail.speculation()}
+                "speculation": avail.speculation(), "hidden_transport": hidden_transport(gw.scheduler, info)}
         if isinstance(info.get("draft"), str):      # the gateway decodes without drafts meanwhile
             body["draft"] = f"unreachable ({info['draft']}); serving without speculation"
         if ("draft" in body or avail.degraded is not None) and not reasons:

@@ -8,6 +8,9 @@ read when scraped; latencies are histograms observed as tokens are committed.
 
 inter_token_latency: a round commits several tokens at once; its time since the request's
 previous commit is spread evenly over them (dt / n, observed n times), as a client sees it.
+
+hidden_transport_info{transport}: 1 for the transport hidden rows take now (`hidden_transport`), the
+series vLLM-style info gauges use; speculation_active: 1 while the draft proposes (0: off or degraded).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.scheduler import GenRequest, Observer, SpecStats
-from tandem.v1 import common_pb2
+from tandem.v1 import common_pb2, rows_pb2
 
 log = logging.getLogger("tandem.gateway")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -167,13 +170,30 @@ class _Collector:
                 used.add_metric(lab + [name], info.kv_blocks_total - info.kv_blocks_free)
                 free.add_metric(lab + [name], info.kv_blocks_free)
         yield from (used, free, up)
+        g = GaugeMetricFamily("tandem:hidden_transport_info", "1 for the transport hidden rows take now "
+                              "(bridge:gloo|nccl|ipc, inline, none)", labels=["model_name", "transport"])
+        g.add_metric(lab + [hidden_transport(s, m.info)], 1)
+        yield g
         yield from _availability(s.avail, lab)
+
+
+def hidden_transport(s, info: dict) -> str:
+    """How hidden rows travel now: "bridge:<gloo|nccl|ipc>" while the gateway asks for the bridge and the
+    target's end of it is connected (its last GetInfo), else "inline"; "none" without a draft."""
+    if s.draft is None:
+        return "none"
+    t = info.get("target")
+    if s.transport == rows_pb2.TRANSPORT_INLINE or isinstance(t, str) or t is None or not t.hidden_transport:
+        return "inline"
+    return f"bridge:{t.hidden_transport}"
 
 
 def _availability(av, lab: list[str]):
     """Fault state (gateway/availability.py): degraded speculation, an unavailable target, refusals."""
     for name, doc, v in (
             ("speculation_degraded", "1 while speculation is off because the draft failed", av.degraded is not None),
+            ("speculation_active", "1 while the draft proposes (0: no draft, or degraded)",
+             av.has_draft and av.degraded is None),
             ("target_unavailable", "1 while the target is down and new requests are refused", av.target_down is not None)):
         g = GaugeMetricFamily(f"tandem:{name}", doc, labels=["model_name"])
         g.add_metric(lab, int(v))

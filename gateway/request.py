@@ -85,3 +85,12 @@ class GenRequest:
     first_token_time: float | None = None
     last_token_time: float | None = None
     deadline: float | None = None                            # time.monotonic() by which the client gives up
+
+
+def call_budget(reqs: list[GenRequest], cap: float) -> tuple[float, bool]:
+    """-> (timeout of a call over reqs, whether their deadlines set it): nobody waits past the
+    last of their deadlines, so the call need not either."""
+    if not reqs or any(r.deadline is None for r in reqs):
+        return cap, False
+    left = max(r.deadline for r in reqs) - time.monotonic()
+    return (max(0.05, left), True) if left < cap else (cap, False)

@@ -20,8 +20,8 @@ import uuid
 
 import grpc
 
-from gateway.availability import Availability
-from gateway.request import Event, GenRequest, Observer, SpecStats  # noqa: F401 (re-exported)
+from gateway.availability import Availability, InFlight
+from gateway.request import Event, GenRequest, Observer, SpecStats, call_budget  # noqa: F401 (re-exported)
 from gateway.resync import resync
 from gateway.stubs import CONTRACT_CODES, DraftStub, TargetStub, client_status
 from infra import tracing
@@ -51,6 +51,7 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]    # several gateways may share one target
         self._in_flight: set[str] = set()      # ids in the Prefill or round now awaiting the services
+        self.inflight = InFlight()             # the Prefill, re-sync or round awaited now (target_lost cuts it)
 
     def new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
@@ -88,34 +89,30 @@ class Scheduler:
     def draft_lost(self, reason: str, restarted: bool = True) -> None:
         """The draft failed or went away: every running request decodes without drafts, and is re-synced
         before the draft proposes for it again. When the draft (or its bridge) is gone (restarted: an
-        UNAVAILABLE), rows go inline from now on: the bridge's rendezvous does not survive a draft
-        restart (the target keeps its old peer). A Propose that was only slow or lost its rows
-        (DEADLINE_EXCEEDED, NOT_FOUND) keeps the bridge."""
+        UNAVAILABLE), rows go inline until target and draft report the same new bridge generation
+        (gateway/watch.py). A Propose that was only slow or lost its rows (DEADLINE_EXCEEDED,
+        NOT_FOUND) keeps the bridge."""
         self.avail.draft_failed(reason)
         for r in self.running:
             r.draft.lost()
         if self.transport != rows_pb2.TRANSPORT_INLINE and restarted:      # a slow draft keeps its bridge
-            log.warning("hidden rows go inline from now on (the bridge does not survive a draft restart)")
+            log.warning("hidden rows go inline until the bridge is rebuilt with the draft")
             self.transport = rows_pb2.TRANSPORT_INLINE
 
     def target_lost(self, reason: str) -> None:
+        """Refuse new requests; the call in flight and every request fail now, not after their timeouts."""
         self.avail.target_failed(reason)
+        self.inflight.cut(f"the target service is unavailable ({reason})")
 
     def _expire(self) -> None:
-        """Fail (and free) the requests whose deadline passed; none is in a call now."""
-        now = time.monotonic()
-        for r in [r for r in self.waiting + self.running if r.deadline is not None and r.deadline <= now]:
-            if r in self.waiting:
-                self.waiting.remove(r)
-            self.fail(r, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
-
-    def _budget(self, reqs: list[GenRequest], cap: float) -> tuple[float, bool]:
-        """-> (timeout of a call over reqs, whether their deadlines set it): nobody waits past the
-        last of their deadlines, so the call need not either."""
-        if not reqs or any(r.deadline is None for r in reqs):
-            return cap, False
-        left = max(r.deadline for r in reqs) - time.monotonic()
-        return (max(0.05, left), True) if left < cap else (cap, False)
+        """Fail (and free) requests past their deadline, or all while the target is down; none is in a call."""
+        now, down = time.monotonic(), self.avail.target_down
+        for r in self.waiting + self.running:
+            if down is not None:
+                self.fail(r, grpc.StatusCode.UNAVAILABLE, f"the target service is unavailable ({down})")
+            elif r.deadline is not None and r.deadline <= now:
+                self.fail(r, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        self.waiting = [r for r in self.waiting if not r.finished]
 
     async def step(self) -> None:
         self._expire()
@@ -131,10 +128,12 @@ class Scheduler:
             await self._holding(batch, self._round(batch))
 
     async def _holding(self, reqs: list[GenRequest], call) -> None:
-        """Await one Prefill or round over `reqs`; then finish those cancelled meanwhile."""
+        """Await one Prefill, re-sync or round over `reqs` (cut short: they fail), then finish the cancelled."""
         self._in_flight = {r.id for r in reqs}
         try:
-            await call
+            cut = await self.inflight.run(call)        # why target_lost cut it short, or None
+            for r in reqs if cut else []:
+                self.fail(r, grpc.StatusCode.UNAVAILABLE, cut)
         finally:
             self._in_flight = set()
             for r in reqs:
@@ -150,7 +149,7 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             with tracing.phase("prefill", [r.span for r in new], requests=len(new)):
-                resp = await self.target.Prefill(req, timeout=self._budget(new, self.timeout)[0])
+                resp = await self.target.Prefill(req, timeout=call_budget(new, self.timeout)[0])
         except grpc.aio.AioRpcError as e:
             self._target_failed(new, e, "Prefill")
             return
@@ -184,7 +183,7 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             with tracing.phase("verify", [r.span for r in batch], requests=len(batch)):
-                vresp = await self.target.Verify(vreq, timeout=self._budget(batch, self.timeout)[0])
+                vresp = await self.target.Verify(vreq, timeout=call_budget(batch, self.timeout)[0])
         except grpc.aio.AioRpcError as e:
             self._target_failed(batch, e, "Verify")
             return
@@ -209,7 +208,7 @@ class Scheduler:
             request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.k, sampling=r.sampling,
             position=r.draft.position) for r in spec], hidden_rows=list(sets.values()))
         t0 = time.perf_counter()
-        timeout, by_deadlines = self._budget(spec, self.draft_timeout)
+        timeout, by_deadlines = call_budget(spec, self.draft_timeout)
         try:
             with tracing.phase("propose", [r.span for r in spec], requests=len(spec)):
                 presp = await self.draft.Propose(preq, timeout=timeout)

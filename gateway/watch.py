@@ -3,10 +3,17 @@ gateway holds a service for down, a GetInfo that must still describe the model t
 with before the service counts as back (a restarted target of another model stays down).
 
 A check that fails UNAVAILABLE (nothing listens: the process crashed or is restarting) puts the
-service down at once; other failures (no answer within CHECK_TIMEOUT_S) only after MISSES in a row:
-a service whose threads are all busy is slow, not down. The gateway's client channels retry a lost
-connection at least every second (RECONNECT_OPTIONS; gRPC's default backoff grows to two minutes),
-so a restarted service is seen about a second after it serves.
+service down at once; no answer within CHECK_TIMEOUT_S (1 s) only after MISSES (3) in a row. The
+services answer health on threads of their own (infra/grpc_server.py), so a busy engine does not
+delay it: a process that misses three 1 s deadlines is hung (SIGSTOPped, swapped out, deadlocked in
+C), not slow. A target that hangs is therefore down at most 0.5 + 3 x 1 + 2 x 0.5 = 4.5 s after its
+last answer (the watch sleeps WATCH_INTERVAL_S between checks), and the requests it held fail then
+(gateway/availability.py). The gateway's client channels retry a lost connection at least every
+second (RECONNECT_OPTIONS; gRPC's default backoff grows to two minutes), so a restarted service is
+seen about a second after it serves.
+
+Hidden rows go back on the bridge after a draft restart (`watch_bridge`) once target and draft report
+the same connected transport and bridge generation in GetInfo (services/bridge/generations.py).
 """
 from __future__ import annotations
 
@@ -17,15 +24,16 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.v1 import common_pb2
+from tandem.v1 import common_pb2, rows_pb2
 
 log = logging.getLogger("tandem.gateway")
 WATCH_INTERVAL_S = 0.5
-CHECK_TIMEOUT_S = 2.0
+CHECK_TIMEOUT_S = 1.0
 MISSES = 3
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 1000)]
-LOAD_FIELDS = {"kv_blocks_total", "kv_blocks_free", "running_requests"}     # may differ after a restart
+LOAD_FIELDS = {"kv_blocks_total", "kv_blocks_free", "running_requests",     # may differ after a restart
+               "hidden_transport", "bridge_generation"}
 
 
 def info_changes(before: common_pb2.InfoResponse, now: common_pb2.InfoResponse) -> list[str]:
@@ -85,14 +93,36 @@ class ServiceWatch:
         return changes or None
 
 
+async def watch_bridge(scheduler, target, draft, wanted: int, interval_s: float = WATCH_INTERVAL_S) -> None:
+    """Put hidden rows back on the bridge (`wanted`: the configured transport) once speculation is active
+    and target and draft report the same connected transport and generation: both ends of one new
+    bridge (a draft that restarted joined the next generation and the target paired with it)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        if scheduler.transport == wanted or scheduler.avail.degraded is not None:
+            continue
+        try:
+            t, d = await asyncio.gather(*(s.GetInfo(common_pb2.InfoRequest(), timeout=CHECK_TIMEOUT_S)
+                                          for s in (target, draft)))
+        except grpc.aio.AioRpcError:
+            continue
+        if t.hidden_transport and (t.hidden_transport, t.bridge_generation) == (d.hidden_transport,
+                                                                                d.bridge_generation):
+            log.info("hidden rows go on the bridge again (%s, generation %d)", t.hidden_transport, t.bridge_generation)
+            scheduler.transport = wanted
+
+
 def start(scheduler, target: tuple, draft: tuple | None) -> list[asyncio.Task]:
     """Watch tasks for the target and (when speculating) the draft; each tuple is (channel, stub,
     its GetInfo at start). A lost draft degrades speculation (scheduler.draft_lost) and one that
-    answers again resumes it; a lost target refuses new requests until it is back."""
+    answers again resumes it; a lost target refuses new requests until it is back. With a bridge
+    configured (the scheduler's transport now), rows return to it after a draft restart."""
     av = scheduler.avail
     tasks = [asyncio.ensure_future(ServiceWatch("target", *target, lambda: av.target_down is not None,
                                                 scheduler.target_lost, av.target_answers).run())]
     if draft is not None:
         tasks.append(asyncio.ensure_future(ServiceWatch("draft", *draft, lambda: av.degraded is not None,
                                                         scheduler.draft_lost, av.draft_answers).run()))
+        if scheduler.transport != rows_pb2.TRANSPORT_INLINE:
+            tasks.append(asyncio.ensure_future(watch_bridge(scheduler, target[1], draft[1], scheduler.transport)))
     return tasks

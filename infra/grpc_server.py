@@ -19,6 +19,19 @@ def channel_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]
     return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
 
 
+class HealthServicer(health.HealthServicer):
+    """gRPC health whose Check runs on threads of its own (gRPC's per-method pool), not the server's
+    workers: those may all wait for the engine lock behind a long step, and the gateway and `tandem
+    serve` read a health check that misses its deadline as a hung process."""
+
+    def Check(self, request, context):
+        return super().Check(request, context)
+
+
+HealthServicer.Check.experimental_thread_pool = futures.ThreadPoolExecutor(max_workers=2,
+                                                                            thread_name_prefix="health")
+
+
 def serve(register, service_names: list[str], host: str, port: int, workers: int = 4,
           max_bytes: int = MAX_MESSAGE_BYTES, tls=None) -> None:
     """Start a server with `register(server)`'s servicers plus health and reflection; block until
@@ -28,7 +41,7 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_bytes),
                          interceptors=tracing.server_interceptors())
     register(server)
-    health_servicer = health.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(service_names + [reflection.SERVICE_NAME, health.SERVICE_NAME], server)
     bound = tls_mod.add_port(server, f"{host}:{port}", tls or tls_mod.PLAINTEXT)

@@ -10,9 +10,11 @@ from services.identity import model_identity
 from tandem.v1 import common_pb2
 
 
-def service_info(cfg: ServiceConfig, engine, running: int):
-    """The InfoResponse both services answer GetInfo with (the gateway checks they agree)."""
+def service_info(cfg: ServiceConfig, engine, running: int, channel=None):
+    """The InfoResponse both services answer GetInfo with (the gateway checks they agree); `channel`: the
+    service's end of the hidden-row bridge (None: inline rows only)."""
     mc = engine.model.cfg
+    transport, generation = channel.state() if channel is not None else ("", 0)
     reserved = getattr(engine.forward, "reserved_blocks", 0)     # CUDA graphs' scratch block: no request's
     return common_pb2.InfoResponse(
         model=cfg.model, vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
@@ -20,7 +22,8 @@ def service_info(cfg: ServiceConfig, engine, running: int):
         kv_blocks_total=engine.cache.num_blocks - reserved, kv_blocks_free=engine.cache.num_free_blocks,
         running_requests=running, contract_version=CONTRACT_VERSION,
         num_nextn_predict_layers=mc.num_nextn_predict_layers, model_identity=model_identity(cfg.model),
-        index_topk=mc.index_topk or 0, index_scoring=engine.cache.index_scoring or "")
+        index_topk=mc.index_topk or 0, index_scoring=engine.cache.index_scoring or "",
+        hidden_transport=transport, bridge_generation=generation)
 
 
 def hello(cfg: ServiceConfig) -> dict:
@@ -46,4 +49,4 @@ class ServicerBase:
     def GetInfo(self, request, context):
         if self.group.broken:                 # exiting to be restarted: not back for a gateway's check
             grpc_server.abort(context, "UNAVAILABLE", self.group.broken)
-        return service_info(self.cfg, self.engine, self.running())
+        return service_info(self.cfg, self.engine, self.running(), getattr(self, "channel", None))

@@ -1,8 +1,8 @@
 """`tandem serve`: the local cluster — target, draft and gateway as separate processes.
 
 Starts each, waits until all report SERVING over gRPC health, prints the endpoints, restarts a
-process that exits (bounded retries with backoff: tandem/supervise.py), and stops all of them
-cleanly on Ctrl-C / SIGTERM (or when one exhausted its restarts).
+process that exits, or a target or draft that hangs (bounded retries with backoff: tandem/supervise.py),
+and stops all of them cleanly on Ctrl-C / SIGTERM (or when one exhausted its restarts).
 """
 from __future__ import annotations
 
@@ -87,9 +87,9 @@ def parse(argv):
                    "deployed (Hadamard + fp8 keys, as DeepSeek's kernels), auto: deployed on cuda, exact on cpu")
     p.add_argument("--bridge-ipc-mib", type=int, default=256, help="target: the CUDA IPC ring of the hidden-row "
                    "bridge (8 slots; a larger transfer goes inline)")
-    p.add_argument("--synthetic-acceptance", type=float, default=-1.0, help="BENCHMARK ONLY, changes the output: "
-                   "the target accepts each draft with probability P after its real forward (greedy only; "
-                   "< 0: off). See services/target/synthetic.py")
+    p.add_argument("--synthetic-acceptance", default="", help="BENCHMARK ONLY, changes the output: "
+                   "the target accepts each draft with probability P, or P1,P2,... per position given the one "
+                   "before (greedy requests only; empty: off). See services/target/synthetic.py")
     from infra import tls as tls_mod
     tls_mod.add_flags(p)              # the same files for all three services (mutual TLS between them with a CA)
     a = p.parse_args(argv)
@@ -137,7 +137,7 @@ def commands(a) -> list[tuple[str, list[str], str]]:
     cmds = [("target", py + ["target", "--device", t_dev, "--grpc-port", str(a.target_port), "--tp", str(a.tp),
                              "--ep", str(a.ep), "--dist-addr", f"127.0.0.1:{a.dist_port}"] + sp + common
              + ["--bridge-ipc-mib", str(a.bridge_ipc_mib)]
-             + (["--synthetic-acceptance", str(a.synthetic_acceptance)] if a.synthetic_acceptance >= 0 else []),
+             + (["--synthetic-acceptance", a.synthetic_acceptance] if a.synthetic_acceptance else []),
              f"127.0.0.1:{a.target_port}")]
     if a.num_speculative_tokens > 0:
         cmds.append(("draft", py + ["draft", "--device", d_dev, "--grpc-port", str(a.draft_port),
@@ -175,7 +175,9 @@ def main(argv=None) -> int:
     try:
         for name, _, addr in commands(a):
             wait_serving(addr, sup.start(name), name, a.startup_timeout, a.tls)
-        if a.synthetic_acceptance >= 0:
+            if name != "gateway":             # a service that hangs is killed and restarted (tandem/supervise.py)
+                sup.probe(name, addr, a.tls)
+        if a.synthetic_acceptance:
             print(f"tandem: WARNING: BENCHMARK ONLY --synthetic-acceptance {a.synthetic_acceptance}: drafts are "
                   "accepted at random, the output is not the model's", flush=True)
         what = f"random:{a.random_config} (seed {a.seed})" if a.random_config else a.model

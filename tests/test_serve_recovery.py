@@ -35,12 +35,12 @@ PROMPT = [21, 22, 23, 24]
 class Served:
     """One `tandem serve` process tree on free ports, its combined log in a file."""
 
-    def __init__(self, model, log_path):
+    def __init__(self, model, log_path, tp: int = 2):
         ports = free_ports(6)
         self.grpc_port, self.http_port, tport, dport, bport, dist = ports
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(model), "-k", "3", "--tp", "2",
+        cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(model), "-k", "3", "--tp", str(tp),
                "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port), "--target-port", str(tport),
                "--draft-port", str(dport), "--bridge-port", str(bport), "--dist-port", str(dist), "--num-blocks", "512"]
         with open(log_path, "wb") as f:
