@@ -21,11 +21,12 @@ import torch
 
 from kernels import dsa as _ref_dsa
 from kernels import mla as _ref_mla
+from kernels import norm as _ref_norm
 from kernels import rows as _ref_rows
 from kernels import speculative as _ref_spec
 from kernels.speculative import sampling_probs  # noqa: F401  (no Triton kernel: always the reference)
 
-__all__ = ["sampling_probs", "greedy_verify", "rejection_sample", "pad_rows",
+__all__ = ["sampling_probs", "rms_norm", "rotary", "greedy_verify", "rejection_sample", "pad_rows",
            "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla", "paged_attention", "moe_path", "chain_verifier",
            "attention_backend", "use_triton", "use_triton_forced",
            "triton_available", "mode"]
@@ -108,6 +109,26 @@ def paged_attention(q_lat, q_pe, batch, ckv, kpe, scale: float) -> torch.Tensor:
                 q_pe.shape[2], batch.block_size, scale, q_lat.dtype)
         return flashinfer_mla.run(batch.plans["flashinfer"], q_lat, q_pe, ckv, kpe)
     return _ref_mla.latent_attention(q_lat, q_pe, batch, ckv, kpe, scale)
+
+
+def _inference(*ts: torch.Tensor) -> bool:
+    """No gradient is wanted (the Triton kernels have no backward; training keeps the references)."""
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in ts)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D], weight [D] -> RMSNorm(x) (kernels/norm.py), one launch in Triton."""
+    if use_triton(x) and _inference(x, weight):
+        return importlib.import_module("kernels.triton_norm").rms_norm(x, weight, eps)
+    return _ref_norm.rms_norm(x, weight, eps)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, factor: float,
+           interleave: bool) -> torch.Tensor:
+    """x [N, H, R], positions [N] -> x turned by its positions (kernels/norm.py), one launch in Triton."""
+    if use_triton(x) and _inference(x):
+        return importlib.import_module("kernels.triton_norm").rotary(x, positions, inv_freq, factor, interleave)
+    return _ref_norm.rotary(x, positions, inv_freq, factor, interleave)
 
 
 def moe_path(x: torch.Tensor) -> str:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import dispatch
 from models.config import ModelConfig, yarn_get_mscale
 from models.parallel import ParallelState, SINGLE, all_gather_cols, all_reduce
 
@@ -22,10 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = shard_param((dim,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return dispatch.rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):
@@ -142,14 +140,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, interleave: bool | None = None) -> torch.Tensor:
         # x: [N, H, R] rope part, positions: [N]; interleave: the layout (default: the config's; the V3.2
         # indexer always uses the half-split one)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]          # [N, R/2]
-        cos = (freqs.cos() * self.attention_factor)[:, None, :]
-        sin = (freqs.sin() * self.attention_factor)[:, None, :]
-        xf = x.float()
-        if self.interleave if interleave is None else interleave:   # DeepSeek layout: pairs (x0, x1), (x2, x3), ...
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
-        else:                 # half-split layout: (x_i, x_{i+R/2})
-            x1, x2 = xf.chunk(2, -1)
-            out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1)
-        return out.to(x.dtype)
+        # DeepSeek's MLA layout pairs (x0, x1), (x2, x3), ...; the half-split one (x_i, x_{i+R/2})
+        return dispatch.rotary(x, positions, self.inv_freq, self.attention_factor,
+                               self.interleave if interleave is None else interleave)

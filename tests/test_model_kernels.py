@@ -341,12 +341,47 @@ def test_attention_backend_choice(monkeypatch):
     assert dispatch.attention_backend(q, p, c) == "reference"                 # CPU, auto
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 512), (5, 2048), (3, 2, 96)])
+def test_rms_norm_matches_reference(dev, dtype, shape, launches):
+    """One launch for the eight ops of an eager RMSNorm; the same rounding steps as the reference (normalize
+    in fp32, cast, then scale), so bf16 agrees to one rounding."""
+    from kernels import norm, triton_norm
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(dev)
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype).to(dev)
+    out, ref = triton_norm.rms_norm(x, w, 1e-6), norm.rms_norm(x, w, 1e-6)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert rel(out, ref) <= (1e-6 if dtype == torch.float32 else TOL[dtype]), rel(out, ref)   # interp: bf16 truncates
+    wide = triton_norm.rms_norm(x, w.float(), 1e-6)                        # fp32 weight: an fp32 result
+    assert wide.dtype == torch.float32
+    assert rel(wide, norm.rms_norm(x, w.float(), 1e-6)) <= (1e-6 if dtype == torch.float32 else TOL[dtype])
+    assert dev == "cuda" or launches["_rms_norm_kernel"] == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rotary_matches_reference(dev, dtype, interleave, launches):
+    """DeepSeek's interleaved pairs and the indexer's half-split ones, on a strided slice (q's rope part)."""
+    from kernels import norm, triton_norm
+    g = torch.Generator().manual_seed(int(interleave))
+    q = torch.randn(7, 4, 96, generator=g).to(dtype).to(dev)
+    x = q[..., 32:]                                                          # [7, 4, 64], not contiguous
+    pos = torch.tensor([0, 1, 5, 63, 200, 1023, 4095]).to(dev)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64)).to(dev)
+    out, ref = (f(x, pos, inv_freq, 1.2, interleave) for f in (triton_norm.rotary, norm.rotary))
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert rel(out, ref) <= (2e-5 if dtype == torch.float32 else 1e-2), rel(out, ref)
+    assert not torch.allclose(ref.float(), (x * 1.2).float(), atol=1e-2)   # it does turn the vectors
+    assert dev == "cuda" or launches["_rotary_kernel"] == 1
+
+
 COMPILE = r'''
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_mla as tm, triton_moe as tmo
+from kernels import triton_mla as tm, triton_moe as tmo, triton_norm as tn
 MLA = dict(BLOCK_H=16, BLOCK_N=64, BLOCK_R=512, BLOCK_P=64, SPLITS=4, KV_TILES=0, DYNAMIC_LOOP=True)
 F32 = dict(ws_ptr="*fp32", ml_ptr="*fp32")
 I32 = dict(pair_ptr="*i32", blk_ptr="*i32")
@@ -362,11 +397,14 @@ KERNELS = [(tm._mla_kernel, dict.fromkeys(["ql_ptr", "qp_ptr", "ckv_ptr", "kpe_p
            (tmo._down_kernel, dict.fromkeys(["h_ptr", "w_ptr", "out_ptr"], "*bf16"), dict(rw_ptr="*fp32", **I32),
             {**MOE, "PRECISION": "tf32"}),
            (tmo._count_kernel, {}, dict(cnt_ptr="*i32"), dict(NB=512, BLOCK=32)),
+           (tn._rms_norm_kernel, dict.fromkeys(["x_ptr", "w_ptr", "out_ptr"], "*bf16"), {}, dict(BLOCK=2048)),
+           (tn._rotary_kernel, dict.fromkeys(["x_ptr", "out_ptr"], "*bf16"), dict(pos_ptr="*i64", f_ptr="*fp32"),
+            dict(BLOCK=32, INTERLEAVE=True)),
            (tmo._place_kernel, {}, dict(cnt_ptr="*i32", fill_ptr="*i32", pair_ptr="*i32", blk_ptr="*i32"),
             dict(NB=512, BLOCK_M=16, BLOCK=32))]
 for fn, ptrs, ints, consts in KERNELS:
     sig = {a: "constexpr" if a in consts else ptrs.get(a) or ints.get(a, "*i64") if a.endswith("_ptr") else
-           "fp32" if a == "scale_log2" else "i64" if a.startswith("s_") else "i32" for a in fn.arg_names}
+           "fp32" if a in ("scale_log2", "eps", "factor") else "i64" if a.startswith("s_") else "i32" for a in fn.arg_names}
     src = ASTSource(fn, sig, {(fn.arg_names.index(a),): v for a, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", int(sys.argv[1]), 32), options=dict(num_warps=4, num_stages=2))
     assert k.asm["cubin"], fn.__name__
@@ -376,4 +414,4 @@ for fn, ptrs, ints, consts in KERNELS:
 
 @pytest.mark.parametrize("arch", [90])                                      # H200: sm_90
 def test_kernels_compile_for_the_gpu_without_one(tmp_path, arch):
-    compile_for_gpu(COMPILE, arch, tmp_path, expected=7)
+    compile_for_gpu(COMPILE, arch, tmp_path, expected=9)
