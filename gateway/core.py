@@ -106,8 +106,9 @@ class Gateway:
 
     @property
     def prompt_limit(self) -> int:
-        """Prompt + max_tokens must fit this (the target's max_model_len less one round's drafts)."""
-        return self.limits.max_model_len - self.limits.num_speculative_tokens - 1
+        """Prompt + max_tokens must fit this: the target's max_model_len, all of it (near its end a request
+        drafts fewer tokens a round, GenRequest.round_k)."""
+        return self.limits.max_model_len
 
     # --- requests ----------------------------------------------------------------------------------
     def new_request(self, ids: list[int], max_tokens: int | None, *, temperature: float = 0.0, top_p: float = 0.0,
@@ -156,7 +157,7 @@ class Gateway:
         return GenRequest(id=self.scheduler.new_id(), prompt_ids=list(ids), max_tokens=max_tokens, sampling=sampling,
                           text=TextStream(self.tokenizer, list(stop)), ignore_eos=ignore_eos,
                           k=k if max_tokens > 0 else 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                          span=span)
+                          span=span, max_model_len=lim.max_model_len)
 
     def check_limits(self, n_prompt: int, max_tokens: int, ids_param: str) -> None:
         """The configured per-request caps (--max-prompt-tokens, --max-output-tokens), named in the error."""

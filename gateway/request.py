@@ -85,6 +85,13 @@ class GenRequest:
     first_token_time: float | None = None
     last_token_time: float | None = None
     deadline: float | None = None                            # time.monotonic() by which the client gives up
+    max_model_len: int = 1 << 30                             # the target's: prompt + output fit in it
+
+    def round_k(self) -> int:
+        """Drafts this round: K, less near the end of the context (the target holds at most max_model_len
+        positions) or of max_tokens (no draft past the last token the client gets)."""
+        room = self.max_model_len - len(self.prompt_ids) - len(self.output_ids)
+        return max(0, min(self.k, room, self.max_tokens - len(self.output_ids) - 1))
 
 
 def call_budget(reqs: list[GenRequest], cap: float) -> tuple[float, bool]:

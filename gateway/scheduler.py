@@ -205,7 +205,7 @@ class Scheduler:
         with a contract error: every request of the round has failed with it."""
         sets = {id(r.draft.rows): r.draft.rows for r in spec}
         preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
-            request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.k, sampling=r.sampling,
+            request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.round_k(), sampling=r.sampling,
             position=r.draft.position) for r in spec], hidden_rows=list(sets.values()))
         t0 = time.perf_counter()
         timeout, by_deadlines = call_budget(spec, self.draft_timeout)

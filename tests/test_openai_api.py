@@ -56,6 +56,22 @@ def test_models_and_tokenizer(api_cluster, client, http):
     assert http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"].endswith("<|assistant|>\n")
 
 
+def test_the_advertised_context_is_all_usable_with_drafts(api_cluster, http):
+    """/v1/models states max_model_len; a prompt and max_tokens that fill it exactly decode with K = 3 (fewer
+    drafts a round near the end) and equal plain decoding; one token more is a 400 naming max_tokens."""
+    M = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    body = dict(model=api_cluster.model_name, prompt=[(7 * i + 3) % 500 for i in range(M - 12)], max_tokens=12,
+                temperature=0, ignore_eos=True)
+    spec = http.post("/v1/completions", json={**body, "num_speculative_tokens": 3})
+    plain = http.post("/v1/completions", json={**body, "num_speculative_tokens": 0})
+    assert spec.status_code == plain.status_code == 200, (spec.text, plain.text)
+    assert spec.json()["usage"]["completion_tokens"] == 12
+    assert spec.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    over = http.post("/v1/completions", json={**body, "max_tokens": 13})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens", over.text
+    assert f"limit of {M} tokens" in over.json()["error"]["message"]
+
+
 def test_model_retrieve_and_errors_in_openai_shape(api_cluster, client, http):
     """models.retrieve (GET /v1/models/{id}); an unknown model, route or method answers in the OpenAI error
     shape (never {"detail": ...}); num_speculative_tokens -1 says what is allowed."""
