@@ -170,7 +170,7 @@ def test_shared_gpu_bridge_is_ipc_and_contract_fires(shared_gpu_cluster):
     _, target, draft, log = shared_gpu_cluster
     rows, item = assert_bridge_contract(target, draft, "ipc-contract", [5, 9, 17, 33, 65, 129])
     text = log.read_text()
-    assert "bridge sender connected (ipc, cuda:0)" in text and "bridge receiver connected (ipc, cuda:0)" in text, \
+    assert "bridge sender connected (ipc, cuda:0, generation 1)" in text and "bridge receiver connected (ipc, cuda:0, generation 1)" in text, \
         text[-4000:]
     good = draft.Propose(draft_pb2.ProposeRequest(items=[item], hidden_rows=[rows]), timeout=30)
     assert len(good.results[0].draft_token_ids) == 2          # the same transfer, taken through the IPC slot
