@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 
 import torch
 
 from infra.defaults import HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS
+from services.rendezvous import resolve
 from services.target.synthetic import parse_profile
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -16,6 +18,10 @@ FLAG_HELP = {
     "random_config": "serve a random-weight preset of models/presets.py (v2-lite, v2-lite-yarn, v32-slice, tiny, tiny-v32) built "
                      "on the device, instead of --model; no tokenizer: clients send token ids",
     "seed": "seed of the --random-config weights (target and draft must use the same one)",
+    "dist_addr": "rendezvous of the rank group: HOST:PORT of rank 0's TCP store (reachable from every rank's host), "
+                 "or env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE from the environment)",
+    "local_ranks": "ranks rank 0 starts on this host (0: all of --tp); the others run `tandem ROLE <same flags> "
+                   "--rank I` on their hosts",
     "index_scoring": "DeepSeek-V3.2 sparse attention: how the indexer scores keys; exact (fp32 scores, as "
                      "transformers), deployed (Hadamard + fp8 e4m3 keys, as DeepSeek's kernels) or auto "
                      "(deployed on CUDA, exact on CPU). Ignored for models without an indexer",
@@ -46,7 +52,8 @@ class ServiceConfig:
     ep: int = 1                      # expert-parallel groups among them (divides tp)
     sequence_parallel: bool = False  # SP-MoE: rows reduce-scattered around each MoE layer
     dist_addr: str = ""              # rendezvous of the rank group (default: per role)
-    rank: int = 0                    # set by rank 0 when it starts the others
+    rank: int = 0                    # set by rank 0 when it starts the others (or by hand on another host)
+    local_ranks: int = 0             # ranks rank 0 starts on its host (0: all of --tp); services/rendezvous.py
     otlp_endpoint: str = ""          # OTLP/gRPC trace export (default: OTEL_EXPORTER_OTLP_ENDPOINT; none: off)
     tls_cert: str = ""               # TLS (infra/tls.py): this server's certificate chain and key
     tls_key: str = ""
@@ -63,11 +70,11 @@ class ServiceConfig:
 
     @property
     def rank_device(self) -> str:
-        """cuda:I on rank 0 -> cuda:I+rank on the others."""
+        """cuda:I on rank 0 -> cuda:I+rank on the others of its host (LOCAL_RANK when a launcher set it)."""
         if not self.device.startswith("cuda"):
             return self.device
         base = int(self.device.split(":")[1]) if ":" in self.device else 0
-        return f"cuda:{base + self.rank}"
+        return f"cuda:{base + int(os.environ.get('LOCAL_RANK', self.rank))}"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -96,6 +103,8 @@ class ServiceConfig:
         need(":" in self.bridge_addr, f"--bridge-addr must be host:port, got {self.bridge_addr!r}")
         need(self.tp >= 1 and self.ep >= 1 and self.tp % self.ep == 0, f"--ep ({self.ep}) must divide --tp ({self.tp})")
         need(0 <= self.rank < self.tp, f"--rank must be in [0, {self.tp}), got {self.rank}")
+        need(0 <= self.local_ranks <= self.tp, f"--local-ranks must be in [0, --tp {self.tp}], got {self.local_ranks}")
+        need(":" in self.dist_addr, f"--dist-addr must be host:port or env://, got {self.dist_addr!r}")
         need(self.max_message_bytes >= 1 << 16, f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
         need(self.max_draft_tokens >= 0 and self.max_logprobs >= 0, "--max-draft-tokens and --max-logprobs must be >= 0")
         try:
@@ -128,6 +137,10 @@ def parse(role: str, argv, description: str) -> ServiceConfig:
                            help=FLAG_HELP.get(f.name) or f.name.replace("_", " "))
     a = p.parse_args(argv)
     a.dist_addr = a.dist_addr or DEFAULT_DIST_ADDRS[role]
+    try:
+        a.dist_addr, a.tp, a.rank, a.local_ranks = resolve(a.dist_addr, a.tp, a.rank, a.local_ranks)
+    except ValueError as e:
+        raise SystemExit(f"tandem {role}: {e}") from None
     if a.random_config:
         from models.presets import PresetError, random_model_id
         if a.model:

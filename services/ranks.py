@@ -29,9 +29,10 @@ R = TypeVar("R")
 
 
 def start_workers(role: str, argv: list[str], cfg: ServiceConfig) -> list[subprocess.Popen]:
-    """Rank 0 starts ranks 1..tp-1 as `tandem ROLE <same flags> --rank i`."""
+    """Rank 0 starts ranks 1..N-1 of its host (N: --local-ranks, default all of --tp) as
+    `tandem ROLE <same flags> --rank i`; other hosts start the rest (services/rendezvous.py)."""
     return [subprocess.Popen([sys.executable, "-m", "tandem", role, *argv, "--rank", str(r)])
-            for r in range(1, cfg.tp)]
+            for r in range(1, cfg.local_ranks or cfg.tp)]
 
 
 def init_group(cfg: ServiceConfig) -> ParallelState:
