@@ -22,11 +22,12 @@ import torch
 from kernels import dsa as _ref_dsa
 from kernels import mla as _ref_mla
 from kernels import norm as _ref_norm
+from kernels import router as _ref_router
 from kernels import rows as _ref_rows
 from kernels import speculative as _ref_spec
 from kernels.speculative import sampling_probs  # noqa: F401  (no Triton kernel: always the reference)
 
-__all__ = ["sampling_probs", "rms_norm", "rotary", "greedy_verify", "rejection_sample", "pad_rows",
+__all__ = ["sampling_probs", "rms_norm", "rotary", "route", "greedy_verify", "rejection_sample", "pad_rows",
            "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla", "paged_attention", "moe_path", "chain_verifier",
            "attention_backend", "use_triton", "use_triton_forced",
            "triton_available", "mode"]
@@ -129,6 +130,16 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, fac
     if use_triton(x) and _inference(x):
         return importlib.import_module("kernels.triton_norm").rotary(x, positions, inv_freq, factor, interleave)
     return _ref_norm.rotary(x, positions, inv_freq, factor, interleave)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] fp32 -> (weights [N, k] fp32, expert ids [N, k]) (kernels/router.py), one launch in
+    Triton where the shapes allow it."""
+    if use_triton(logits) and _inference(logits):
+        tr = importlib.import_module("kernels.triton_router")
+        if tr.supported(logits.shape[-1], spec):
+            return tr.select(logits, bias, spec)
+    return _ref_router.select(logits, bias, spec)
 
 
 def moe_path(x: torch.Tensor) -> str:

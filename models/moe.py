@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import dispatch
+from kernels.router import RouteSpec
 from models.config import ModelConfig
 from models.layers import shard_param
 from models.parallel import ParallelState, SINGLE, all_reduce
@@ -61,28 +62,20 @@ class Router(nn.Module):
         super().__init__()
         E = cfg.n_routed_experts
         self.cfg = cfg
+        self.spec = RouteSpec(sigmoid=cfg.scoring_func == "sigmoid", n_group=max(cfg.n_group, 1),
+                              topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
+                              noaux=cfg.topk_method == "noaux_tc", norm=cfg.norm_topk_prob,
+                              scale=cfg.routed_scaling_factor)
         self.weight = shard_param((E, cfg.hidden_size))
         if cfg.topk_method == "noaux_tc":
             self.e_score_correction_bias = shard_param((E,))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [N, D] -> weights [N, k] (fp32), expert ids [N, k]
-        c = self.cfg
         with torch.autocast(x.device.type, enabled=False):     # DeepSeek routes in fp32, autocast or not
             logits = F.linear(x.float(), self.weight.float())
-        scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(-1)
-        choice = scores + self.e_score_correction_bias.float() if hasattr(self, "e_score_correction_bias") else scores
-        if c.n_group > 1:
-            grouped = choice.view(-1, c.n_group, c.n_routed_experts // c.n_group)
-            # group score: sum of its top-2 with the bias (noaux_tc), else its max
-            group_score = grouped.topk(2, -1)[0].sum(-1) if c.topk_method == "noaux_tc" else grouped.amax(-1)
-            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(c.topk_group, -1)[1], 1.0)
-            choice = grouped.masked_fill(keep[..., None] == 0, float("-inf")).flatten(1)
-        ids = choice.topk(c.num_experts_per_tok, -1)[1]           # the bias selects, never weighs
-        weights = scores.gather(1, ids)
-        if c.norm_topk_prob and c.num_experts_per_tok > 1:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * c.routed_scaling_factor, ids
+        bias = self.e_score_correction_bias.float() if hasattr(self, "e_score_correction_bias") else None
+        return dispatch.route(logits, bias, self.spec)          # kernels/router.py: the rule
 
 
 class MoE(nn.Module):

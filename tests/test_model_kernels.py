@@ -376,12 +376,40 @@ def test_rotary_matches_reference(dev, dtype, interleave, launches):
     assert dev == "cuda" or launches["_rotary_kernel"] == 1
 
 
+ROUTES = {   # name: (E, RouteSpec fields): DeepSeek-V3's grouped noaux_tc, V2-Lite-shape, V2's softmax ones
+    "v3": (256, dict(sigmoid=True, n_group=8, topk_group=4, top_k=8, noaux=True, norm=True, scale=2.5)),
+    "v2-lite": (64, dict(sigmoid=True, n_group=1, topk_group=1, top_k=6, noaux=True, norm=True, scale=1.0)),
+    "softmax": (8, dict(sigmoid=False, n_group=1, topk_group=1, top_k=2, noaux=False, norm=False, scale=1.0)),
+    "softmax-groups": (16, dict(sigmoid=False, n_group=4, topk_group=2, top_k=3, noaux=False, norm=True, scale=16.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTES))
+def test_router_choice_matches_reference(dev, name, launches):
+    """The same experts in the same order (best first: the MoE sums its slots in that order) and the same
+    weights, for the routers DeepSeek's models use."""
+    from kernels import router, triton_router
+    E, fields = ROUTES[name]
+    spec = router.RouteSpec(**fields)
+    g = torch.Generator().manual_seed(E)
+    logits = (torch.randn(37, E, generator=g) * 2).to(dev)
+    bias = (torch.randn(E, generator=g) * 0.1).to(dev) if spec.noaux else None
+    assert triton_router.supported(E, spec)
+    (w, ids), (rw, rids) = triton_router.select(logits, bias, spec), router.select(logits, bias, spec)
+    assert ids.dtype == rids.dtype and torch.equal(ids.cpu(), rids.cpu())
+    assert torch.allclose(w.cpu(), rw.cpu(), rtol=1e-5, atol=1e-6), (w - rw).abs().max()
+    if spec.n_group > 1:                                   # only experts of the topk_group best groups
+        groups = (ids // (E // spec.n_group)).cpu()
+        assert all(len(set(row.tolist())) <= spec.topk_group for row in groups)
+    assert dev == "cuda" or launches["_route_kernel"] == 1
+
+
 COMPILE = r'''
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_mla as tm, triton_moe as tmo, triton_norm as tn
+from kernels import triton_mla as tm, triton_moe as tmo, triton_norm as tn, triton_router as tr
 MLA = dict(BLOCK_H=16, BLOCK_N=64, BLOCK_R=512, BLOCK_P=64, SPLITS=4, KV_TILES=0, DYNAMIC_LOOP=True)
 F32 = dict(ws_ptr="*fp32", ml_ptr="*fp32")
 I32 = dict(pair_ptr="*i32", blk_ptr="*i32")
@@ -397,6 +425,9 @@ KERNELS = [(tm._mla_kernel, dict.fromkeys(["ql_ptr", "qp_ptr", "ckv_ptr", "kpe_p
            (tmo._down_kernel, dict.fromkeys(["h_ptr", "w_ptr", "out_ptr"], "*bf16"), dict(rw_ptr="*fp32", **I32),
             {**MOE, "PRECISION": "tf32"}),
            (tmo._count_kernel, {}, dict(cnt_ptr="*i32"), dict(NB=512, BLOCK=32)),
+           (tr._route_kernel, dict(logit_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", id_ptr="*i64"), {},
+            dict(E=256, SIGMOID=True, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4, TOP_K=8, NOAUX=True, NORM=True,
+                 BLOCK_K=8)),
            (tn._rms_norm_kernel, dict.fromkeys(["x_ptr", "w_ptr", "out_ptr"], "*bf16"), {}, dict(BLOCK=2048)),
            (tn._rotary_kernel, dict.fromkeys(["x_ptr", "out_ptr"], "*bf16"), dict(pos_ptr="*i64", f_ptr="*fp32"),
             dict(BLOCK=32, INTERLEAVE=True)),
@@ -404,7 +435,7 @@ KERNELS = [(tm._mla_kernel, dict.fromkeys(["ql_ptr", "qp_ptr", "ckv_ptr", "kpe_p
             dict(NB=512, BLOCK_M=16, BLOCK=32))]
 for fn, ptrs, ints, consts in KERNELS:
     sig = {a: "constexpr" if a in consts else ptrs.get(a) or ints.get(a, "*i64") if a.endswith("_ptr") else
-           "fp32" if a in ("scale_log2", "eps", "factor") else "i64" if a.startswith("s_") else "i32" for a in fn.arg_names}
+           "fp32" if a in ("scale_log2", "eps", "factor", "scale") else "i64" if a.startswith("s_") else "i32" for a in fn.arg_names}
     src = ASTSource(fn, sig, {(fn.arg_names.index(a),): v for a, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", int(sys.argv[1]), 32), options=dict(num_warps=4, num_stages=2))
     assert k.asm["cubin"], fn.__name__
@@ -414,4 +445,4 @@ for fn, ptrs, ints, consts in KERNELS:
 
 @pytest.mark.parametrize("arch", [90])                                      # H200: sm_90
 def test_kernels_compile_for_the_gpu_without_one(tmp_path, arch):
-    compile_for_gpu(COMPILE, arch, tmp_path, expected=9)
+    compile_for_gpu(COMPILE, arch, tmp_path, expected=10)
