@@ -89,9 +89,9 @@ class GenRequest:
 
     def round_k(self) -> int:
         """Drafts this round: K, less near the end of the context (the target holds at most max_model_len
-        positions) or of max_tokens (no draft past the last token the client gets)."""
-        room = self.max_model_len - len(self.prompt_ids) - len(self.output_ids)
-        return max(0, min(self.k, room, self.max_tokens - len(self.output_ids) - 1))
+        positions). Near max_tokens a round still drafts K (the tokens past it are dropped): every round
+        proposes the same K, so acceptance figures stay comparable across requests."""
+        return max(0, min(self.k, self.max_model_len - len(self.prompt_ids) - len(self.output_ids)))
 
 
 def call_budget(reqs: list[GenRequest], cap: float) -> tuple[float, bool]:

@@ -104,7 +104,7 @@ class ServiceConfig:
         need(self.tp >= 1 and self.ep >= 1 and self.tp % self.ep == 0, f"--ep ({self.ep}) must divide --tp ({self.tp})")
         need(0 <= self.rank < self.tp, f"--rank must be in [0, {self.tp}), got {self.rank}")
         need(0 <= self.local_ranks <= self.tp, f"--local-ranks must be in [0, --tp {self.tp}], got {self.local_ranks}")
-        need(":" in self.dist_addr, f"--dist-addr must be host:port or env://, got {self.dist_addr!r}")
+        need(self.tp == 1 or ":" in self.dist_addr, f"--dist-addr must be host:port or env://, got {self.dist_addr!r}")
         need(self.max_message_bytes >= 1 << 16, f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
         need(self.max_draft_tokens >= 0 and self.max_logprobs >= 0, "--max-draft-tokens and --max-logprobs must be >= 0")
         try:

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from cluster import REPO, free_ports
+from cluster import REPO, free_ports, stop_serve
 from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 MODEL = REPO / "checkpoints" / "tandem-code-mini"
@@ -63,17 +63,7 @@ class ServeTree:
         return all(i.running_requests == 0 and i.kv_blocks_free == i.kv_blocks_total for i in self.infos())
 
     def stop(self) -> None:
-        for ch in self.channels:
-            ch.close()
-        self.proc.send_signal(signal.SIGTERM)           # tandem serve stops its children itself
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)    # whatever is left of its tree
-        except ProcessLookupError:
-            pass
+        stop_serve(self.proc, self.channels)
 
 
 async def health(client: httpx.AsyncClient) -> tuple[int, str]:

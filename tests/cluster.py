@@ -348,6 +348,22 @@ class Cluster:
             pass
 
 
+def stop_serve(proc: subprocess.Popen, channels=()) -> None:
+    """Stop a `tandem serve` started in its own session: SIGTERM (it stops its children), then SIGKILL to
+    whatever is left of its process tree."""
+    for ch in channels:
+        ch.close()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def serve_module(c: Cluster, request):
     """Body of a module-scoped pytest fixture: yield the cluster; afterwards, if a test of the
     session failed meanwhile or a process died, print every process's log tail to the terminal."""

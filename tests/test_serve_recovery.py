@@ -22,7 +22,7 @@ import grpc
 import httpx
 import pytest
 
-from cluster import REPO, free_ports, make_checkpoint
+from cluster import REPO, free_ports, make_checkpoint, stop_serve
 from tandem.v1 import common_pb2, generate_pb2 as gen, generate_pb2_grpc, target_pb2_grpc, draft_pb2_grpc
 from test_faults import health, wait_until
 
@@ -77,17 +77,7 @@ class Served:
         wait_until(check, timeout_s, "both services idle with every KV block free")
 
     def stop(self) -> None:
-        for ch in self.channels:
-            ch.close()
-        self.proc.send_signal(signal.SIGTERM)           # tandem serve stops its children itself
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)    # whatever is left of its tree
-        except ProcessLookupError:
-            pass
+        stop_serve(self.proc, self.channels)
 
 
 @pytest.fixture(scope="module")
