@@ -98,6 +98,11 @@ def parse(argv):
         p.error(f"--model ({a.model}) and --random-config ({a.random_config}) exclude each other")
     a.model = "" if a.random_config else str(a.model or default_model())
     a.dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
+    from services.target.synthetic import parse_profile
+    try:
+        parse_profile(a.synthetic_acceptance)          # refused here, not by a target restarted five times
+    except ValueError as e:
+        p.error(str(e))
     return a
 
 

@@ -39,3 +39,12 @@ def test_vllm_and_sglang_flag_names():
     assert parse("target", ["--tensor-parallel-size", "2", "--random-config", "tiny"], "").tp == 2
     from gateway.config import parse as gateway_parse
     assert gateway_parse(["--port", "9001", "--random-config", "tiny"]).http_port == 9001
+
+
+def test_a_bad_acceptance_profile_is_refused_at_once():
+    """`tandem serve` names a bad --synthetic-acceptance before it starts anything (the target would refuse it
+    too, and the supervisor would restart it five times)."""
+    r = tandem("serve", "--random-config", "tiny", "--synthetic-acceptance", "0.9,1.5")
+    assert r.returncode == 2 and "every probability must be in [0, 1], got 0.9,1.5" in r.stderr, r.stderr
+    for name in ("overlap", "profile"):
+        assert f"\n  {name} " in tandem("bench", "--help").stdout
