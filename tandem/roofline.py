@@ -12,6 +12,7 @@ uniformly; a trained router that sends related tokens to the same experts reads 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,11 +62,18 @@ def step_bytes(s: Shapes, cfg, batch: int, tokens_per_request: int, context: int
             + s.head + s.layers * batch * keys)
 
 
-def round_floor_ms(model: str, dtype: torch.dtype, batch: int, k: int, context: int, bandwidth: float) -> dict:
-    """Floors in ms of the verify step (K + 1 tokens per request) and of K draft steps, and their sum."""
+@functools.lru_cache(maxsize=8)
+def model_shapes(model: str, dtype: torch.dtype):
+    """(config, target Shapes, draft Shapes) of a model id, counted once."""
     from models.model import DraftModel, TargetModel
     from models.presets import model_config
     cfg = model_config(model)
-    verify = step_bytes(shapes(TargetModel, cfg, dtype), cfg, batch, k + 1, context) / bandwidth
-    draft = k * step_bytes(shapes(DraftModel, cfg, dtype), cfg, batch, 1, context) / bandwidth if k else 0.0
+    return cfg, shapes(TargetModel, cfg, dtype), shapes(DraftModel, cfg, dtype)
+
+
+def round_floor_ms(model: str, dtype: torch.dtype, batch: int, k: int, context: int, bandwidth: float) -> dict:
+    """Floors in ms of the verify step (K + 1 tokens per request) and of K draft steps, and their sum."""
+    cfg, target, draft_shapes = model_shapes(model, dtype)
+    verify = step_bytes(target, cfg, batch, k + 1, context) / bandwidth
+    draft = k * step_bytes(draft_shapes, cfg, batch, 1, context) / bandwidth if k else 0.0
     return {"verify_floor_ms": 1000 * verify, "draft_floor_ms": 1000 * draft, "ideal_round_ms": 1000 * (verify + draft)}

@@ -25,11 +25,10 @@ import grpc
 import httpx
 import pytest
 
-from cluster import make_checkpoint
 from tandem.v1 import common_pb2, generate_pb2 as gen
 from test_faults import health, metric, wait_until
 from test_scheduler_faults import FakeDraft, FakeTarget, events, request
-from test_serve_recovery import PROMPT, Served, grpc_stream, rest_stream
+from test_serve_recovery import PROMPT, Served, grpc_stream, rest_stream, serve_for_module
 
 HANG_FAIL_S = 6.0        # the watch's 4.5 s worst case, and a busy 2-core machine's slack
 
@@ -59,16 +58,7 @@ def test_a_lost_target_cuts_the_call_in_flight():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, request):
-    ckpt = make_checkpoint(tmp_path_factory.mktemp("hang-ckpt") / "tiny", seed=11)
-    s = Served(ckpt, tmp_path_factory.mktemp("hang-logs") / "serve.log", tp=1)
-    failed = request.session.testsfailed
-    try:
-        s.wait_healthy()
-        yield s
-    finally:
-        s.stop()
-        if request.session.testsfailed > failed:
-            print(f"\n===== tandem serve log =====\n{s.log()[-12000:]}")
+    yield from serve_for_module(tmp_path_factory, request, "hang", seed=11, tp=1)
 
 
 def generate(stub, k: int | None = None) -> gen.GenerateResponse:

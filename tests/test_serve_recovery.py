@@ -80,10 +80,11 @@ class Served:
         stop_serve(self.proc, self.channels)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, request):
-    ckpt = make_checkpoint(tmp_path_factory.mktemp("serve-ckpt") / "tiny", seed=5)
-    s = Served(ckpt, tmp_path_factory.mktemp("serve-logs") / "serve.log")
+def serve_for_module(tmp_path_factory, request, name: str, seed: int, **kw):
+    """A healthy `tandem serve` of a tiny checkpoint for one test module (yields Served); its log is printed
+    when a test of the module failed."""
+    ckpt = make_checkpoint(tmp_path_factory.mktemp(f"{name}-ckpt") / "tiny", seed=seed)
+    s = Served(ckpt, tmp_path_factory.mktemp(f"{name}-logs") / "serve.log", **kw)
     failed = request.session.testsfailed
     try:
         s.wait_healthy()
@@ -92,6 +93,11 @@ def served(tmp_path_factory, request):
         s.stop()
         if request.session.testsfailed > failed:
             print(f"\n===== tandem serve log =====\n{s.log()[-12000:]}")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, request):
+    yield from serve_for_module(tmp_path_factory, request, "serve", seed=5)
 
 
 def children(pid: int) -> list[int]:
