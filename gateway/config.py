@@ -47,6 +47,7 @@ class GatewayConfig:
     rpc_timeout_s: float = 60.0              # a Prefill / Verify / RecomputeRows call (client deadlines bound it)
     draft_timeout_s: float = 10.0            # a Propose; past it the round goes on without drafts
     random_config: str = ""                  # target and draft run a random-weight preset: no tokenizer
+    service_calls: str = "stream"            # a round's Verify / Propose: on one persistent stream, or unary
 
     @property
     def model_name(self) -> str:
@@ -68,6 +69,8 @@ class GatewayConfig:
                              f"{self.num_speculative_tokens}")
         if self.hidden_transport not in TRANSPORTS:
             raise SystemExit(f"--hidden-transport must be one of {list(TRANSPORTS)}, got {self.hidden_transport!r}")
+        if self.service_calls not in ("stream", "unary"):
+            raise SystemExit(f"--service-calls must be 'stream' or 'unary', got {self.service_calls!r}")
         if not self.random_config and not (Path(self.model) / "tokenizer.json").exists():
             raise SystemExit(f"--model {self.model}: no tokenizer.json there")
         if min(self.max_prompt_tokens, self.max_output_tokens) < 0 or self.max_request_bytes < 1024:
@@ -116,6 +119,8 @@ def parse(argv) -> GatewayConfig:
                    "gRPC request message (RESOURCE_EXHAUSTED beyond) of the public API")
     p.add_argument("--random-config", default="", help="target and draft serve a random-weight preset "
                    "(--random-config of `tandem target`): no tokenizer, requests must send token ids")
+    p.add_argument("--service-calls", default="stream", help="each round's Verify and Propose: 'stream' (one "
+                   "persistent gRPC stream per service, gateway/lanes.py) or 'unary' (one call each)")
     tls_mod.add_flags(p)
     a = p.parse_args(argv)
     if a.model and a.random_config:      # as on target and draft: one model, named one way

@@ -21,6 +21,7 @@ from gateway.config import TRANSPORTS, GatewayConfig, parse
 from gateway.core import Gateway, Limits, NoTokenizer
 from gateway.grpc_api import GenerateServicer
 from gateway.http_server import HttpServer
+from gateway.lanes import StreamedDraft, StreamedTarget
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import Scheduler
 from gateway import watch
@@ -116,7 +117,10 @@ async def serve(cfg: GatewayConfig) -> None:
     svc = await connect(cfg)
     info = svc.info
     metrics = GatewayMetrics(cfg.model_name)
-    scheduler = Scheduler(svc.target, svc.draft, set(info.eos_token_ids), cfg.max_batch, cfg.rpc_timeout_s,
+    target, draft = svc.target, svc.draft           # each round's Verify / Propose on a persistent stream
+    if cfg.service_calls == "stream":
+        target, draft = StreamedTarget(target), (None if draft is None else StreamedDraft(draft))
+    scheduler = Scheduler(target, draft, set(info.eos_token_ids), cfg.max_batch, cfg.rpc_timeout_s,
                           transport=TRANSPORTS[cfg.hidden_transport], observer=metrics,
                           draft_timeout_s=cfg.draft_timeout_s, max_waiting=cfg.max_waiting)
     metrics.attach(scheduler, svc.stubs)

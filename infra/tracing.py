@@ -127,6 +127,20 @@ def server_interceptors() -> list:
     return [_ServerInterceptor()]
 
 
+@contextmanager
+def message_span(method: str, carrier):
+    """One call on a persistent stream as the interceptor makes a unary call: a SERVER span named after
+    the unary method ("tandem.v1.TargetService/Verify"), child of the trace context the message carries."""
+    if not _enabled:
+        yield None
+        return
+    service, _, name = method.rpartition("/")
+    with tracer().start_as_current_span(method, context=extract(carrier), kind=trace.SpanKind.SERVER,
+                                        attributes={"rpc.system": "grpc", "rpc.service": service,
+                                                    "rpc.method": name}) as s:
+        yield s
+
+
 # --- spans -----------------------------------------------------------------------------------------
 @contextmanager
 def span(name: str, **attributes):

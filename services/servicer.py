@@ -2,7 +2,9 @@
 the hello their bridge exchanges."""
 from __future__ import annotations
 
-from infra import grpc_server
+from concurrent import futures
+
+from infra import grpc_server, tracing
 from infra.errors import ServiceError
 from services.bridge.rows import CONTRACT_VERSION
 from services.config import ServiceConfig
@@ -31,6 +33,11 @@ def hello(cfg: ServiceConfig) -> dict:
     return {"model_identity": model_identity(cfg.model), "contract_version": CONTRACT_VERSION}
 
 
+# The threads a persistent stream (ProposeStream, VerifyStream) holds for its lifetime, one per gateway: not
+# the server's workers, which unary calls (Prefill, Release, GetInfo) need free.
+STREAM_THREADS = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="stream")
+
+
 class ServicerBase:
     """Release and GetInfo, answered alike by the target and the draft. A subclass sets cfg, group,
     engine and lock, and says how many requests it is running."""
@@ -45,6 +52,16 @@ class ServicerBase:
                                                                            list(request.request_ids)))
         except ServiceError as e:             # the rank group broke: UNAVAILABLE, not a traceback
             grpc_server.abort(context, e.code, str(e))
+
+    def _stream(self, method: str, one, requests, context):
+        """ProposeStream / VerifyStream: each message answered by `one` (the unary handler) in order; a
+        failure aborts the stream with that call's status. A message that arrives after the caller gave
+        up (the stream cancelled) is not run."""
+        for request in requests:
+            if not context.is_active():
+                return
+            with tracing.message_span(method, request.trace_context):
+                yield one(request, context)
 
     def GetInfo(self, request, context):
         if self.group.broken:                 # exiting to be restarted: not back for a gateway's check

@@ -78,6 +78,8 @@ def parse(argv):
     p.add_argument("--max-prompt-tokens", type=int, default=0, help="gateway: longest prompt (0: the model's limit)")
     p.add_argument("--max-output-tokens", type=int, default=0, help="gateway: largest max_tokens (0: the model's limit)")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="gateway: largest REST body / gRPC message")
+    p.add_argument("--service-calls", default="stream", choices=("stream", "unary"), help="gateway: each round's "
+                   "Verify and Propose on one persistent gRPC stream per service, or as unary calls")
     p.add_argument("--random-config", default="", help="serve a random-weight preset (models/presets.py: v2-lite, "
                    "v2-lite-yarn, v32-slice, tiny, tiny-v32) built on the device instead of --model; no tokenizer: send token ids")
     p.add_argument("--seed", type=int, default=0, help="seed of the --random-config weights")
@@ -160,7 +162,7 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                   "--max-prompt-tokens", str(a.max_prompt_tokens),
                                   "--max-output-tokens", str(a.max_output_tokens),
                                   "--max-request-bytes", str(a.max_request_bytes),
-                                  "--max-waiting", str(a.max_waiting)] + tls,
+                                  "--max-waiting", str(a.max_waiting), "--service-calls", a.service_calls] + tls,
                  f"{a.host}:{a.grpc_port}"))
     return cmds
 

@@ -13,6 +13,7 @@ import torch
 
 from kernels.dispatch import sampling_probs
 from models.kv_cache import CacheFullError, PagedKVCache
+from infra.defaults import MAX_DRAFT_TOKENS
 from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
 from services.sampling import Sampling
@@ -32,10 +33,16 @@ class DraftEngine:
     def __init__(self, model, cache: PagedKVCache, max_model_len: int):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
         self.forward = model                 # or a models.cuda_graphs.GraphedForward of it
+        self.chain = None                    # services/draft/chain.py: greedy steps 2..k in one replay
         self.vocab_size = model.cfg.vocab_size
         self.committed: dict[str, int] = {}      # request id -> committed cache positions
         self.sampling: dict[str, Sampling] = {}
         self.generators: dict[str, torch.Generator | None] = {}   # sampled requests: the draft's own stream
+
+    def graphs_enabled(self) -> None:
+        """CUDA graphs are on (services/launch.py): greedy rounds draft steps 2..k in one replay as well."""
+        from services.draft.chain import DraftChain
+        self.chain = DraftChain(self.model, self.cache, self.max_model_len, MAX_DRAFT_TOKENS, graphs=True)
 
     def expected_rows(self, items: list[ProposeItem]) -> dict[str, int]:
         """Rows each item must bring: one per new token; a new request's first token has none.
@@ -92,22 +99,34 @@ class DraftEngine:
                     self.committed[ids[b]] = self.cache.length(ids[b])
                 ends = torch.tensor([len(toks[b]) for b in active]).cumsum(0) - 1
                 last = dict(zip(active, hidden[ends.to(hidden.device)]))       # b -> MTP hidden [D]
-                live, s = [b for b in active if k[b] > 0], 0
-                while live:                    # steps 2..k reuse the layer on its own normed hidden
-                    for b, (tok, q) in zip(live, self._pick(torch.stack([last[b] for b in live]),
-                                                            [ids[b] for b in live])):
-                        drafts[b].append(tok)
-                        if q is not None:
-                            probs[b].append(q)
-                    s += 1
-                    live = [b for b in live if k[b] > s]
-                    if live:
-                        h = self._step([ids[b] for b in live], [[drafts[b][-1]] for b in live],
-                                       torch.stack([last[b] for b in live]), step=s)
-                        last.update(zip(live, h))
+                live = [b for b in active if k[b] > 0]
+                chained = None
+                if live and self.chain is not None and all(self.sampling[ids[b]].greedy for b in live):
+                    chained = self.chain.run([ids[b] for b in live], torch.stack([last[b] for b in live]),
+                                             [k[b] for b in live])              # one graph, one host sync
+                if chained is not None:
+                    for b, d in zip(live, chained):
+                        drafts[b] = d
+                else:
+                    self._loop(live, last, ids, k, drafts, probs)
         except CacheFullError as e:
             raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+    def _loop(self, live: list[int], last: dict, ids: list[str], k: list[int], drafts: list, probs: list) -> None:
+        """Steps 2..k, one at a time: each chooses its tokens on the host before the next step runs."""
+        s = 0
+        while live:                            # steps 2..k reuse the layer on its own normed hidden
+            for b, (tok, q) in zip(live, self._pick(torch.stack([last[b] for b in live]), [ids[b] for b in live])):
+                drafts[b].append(tok)
+                if q is not None:
+                    probs[b].append(q)
+            s += 1
+            live = [b for b in live if k[b] > s]
+            if live:
+                h = self._step([ids[b] for b in live], [[drafts[b][-1]] for b in live],
+                               torch.stack([last[b] for b in live]), step=s)
+                last.update(zip(live, h))
 
     def _step(self, ids: list[str], toks: list[list[int]], hidden: torch.Tensor, step: int) -> torch.Tensor:
         batch = self.cache.prepare(ids, [len(t) for t in toks])

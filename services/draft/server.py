@@ -13,7 +13,7 @@ from services.bridge.rows import check, check_finite, check_payload, decode_inli
 from services.config import ServiceConfig
 from services.launch import run_service
 from services.ranks import RankGroup
-from services.servicer import ServicerBase
+from services.servicer import STREAM_THREADS, ServicerBase
 from services.draft.engine import DraftEngine, ProposeItem
 from services.sampling import Sampling
 from infra import grpc_server, tracing
@@ -99,8 +99,14 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
             transfer_seconds=transfer_s, timing=rows_pb2.CallTiming(
                 transfer_seconds=transfer_s, compute_seconds=done - t0 - transfer_s, handler_seconds=done - t0))
 
+    def ProposeStream(self, requests, context):
+        return self._stream("tandem.v1.DraftService/Propose", self.Propose, requests, context)
+
     def running(self) -> int:
         return len(self.engine.committed)
+
+
+DraftServicer.ProposeStream.experimental_thread_pool = STREAM_THREADS
 
 
 def main(argv=None) -> int:

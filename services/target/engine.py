@@ -57,6 +57,9 @@ class TargetEngine:
     graph_row_inputs = 0                     # CUDA graphs: tokens only
     synthetic_acceptance: tuple[float, ...] | None = None   # BENCHMARK ONLY: services/target/synthetic.py
 
+    def graphs_enabled(self) -> None:
+        """CUDA graphs are on (services/launch.py): nothing more to set up here."""
+
     def __init__(self, model, cache: PagedKVCache, max_model_len: int):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
         self.forward = model                 # or a models.cuda_graphs.GraphedForward of it
@@ -140,17 +143,18 @@ class TargetEngine:
             raise ServiceError("INVALID_ARGUMENT", "request ids in one Verify must be unique")
         reqs = [self.requests[rid] for rid, _, _ in items]
         seqs = {rid: [r.pending_token] + list(d) for (rid, d, _), r in zip(items, reqs)}
-        hidden = self._forward(seqs)                                            # [N, D], N = sum(k + 1)
         B, K = len(items), max(len(d) for _, d, _ in items)
-        V = self.vocab_size
+        V, dev = self.vocab_size, self.cache.device        # acceptance runs where the logits are (Triton on CUDA)
         k = torch.tensor([len(d) for _, d, _ in items])
         starts = torch.cat([torch.zeros(1, dtype=torch.long), (k + 1).cumsum(0)[:-1]])
-        idx = (starts[:, None] + torch.arange(K + 1)[None, :]).clamp(max=hidden.shape[0] - 1)
+        idx = (starts[:, None] + torch.arange(K + 1)[None, :]).clamp(max=int(k.sum()) + B - 1)   # [B, K+1]
         valid = torch.arange(K + 1)[None, :] <= k[:, None]                       # [B, K+1]
+        drafts = torch.tensor([list(d) + [0] * (K - len(d)) for _, d, _ in items], dtype=torch.long)
+        # one transfer, before the step: a host-to-device copy queued after the step would wait for it
+        packed = torch.cat([drafts.flatten(), k, idx.flatten()]).to(dev, non_blocking=True)
+        drafts, k_dev, idx = packed[:B * K].view(B, K), packed[B * K:B * K + B], packed[B * K + B:].view(B, K + 1)
+        hidden = self._forward(seqs)                                            # [N, D], N = sum(k + 1)
         logits = self.model.compute_logits(hidden)                               # [N, V]
-        dev = logits.device                  # acceptance runs where the logits are (Triton on CUDA)
-        drafts = torch.tensor([list(d) + [0] * (K - len(d)) for _, d, _ in items], dtype=torch.long, device=dev)
-        k_dev, idx = k.to(dev), idx.to(dev)
         if all(r.sampling.greedy for r in reqs):
             accepted, emitted = greedy_verify(logits.argmax(-1)[idx], drafts, k_dev)     # [B, K+1]
         else:
@@ -170,7 +174,8 @@ class TargetEngine:
                                  for (_, d, _), r in zip(items, reqs)]).to(dev)
                 e = torch.stack([torch.empty(V).exponential_(generator=r.generator) for r in reqs]).to(dev)
                 accepted, emitted = rejection_sample(p, q, drafts, k_dev, u, e)
-        accepted, emitted = accepted.cpu(), emitted.cpu()
+        both = torch.cat([accepted.view(B, 1).to(emitted.dtype), emitted], 1).cpu()     # the one device-to-host copy
+        accepted, emitted = both[:, 0].to(accepted.dtype), both[:, 1:]
         if self.synthetic_acceptance is not None:          # BENCHMARK ONLY: after the real forward and check
             accepted, emitted = synthetic_accept(logits.argmax(-1)[idx], drafts, k, self.synthetic_acceptance,
                                                  [r.generator for r in reqs])

@@ -15,7 +15,7 @@ from services.bridge.rows import describe
 from services.config import ServiceConfig
 from services.launch import run_service
 from services.ranks import RankGroup
-from services.servicer import ServicerBase
+from services.servicer import STREAM_THREADS, ServicerBase
 from services.sampling import Sampling
 from services.target.synthetic import parse_profile
 from services.target.engine import TargetEngine
@@ -130,6 +130,9 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
                 compute_seconds=compute_s, handler_seconds=time.perf_counter() - t0))
         return self._guard(context, run)
 
+    def VerifyStream(self, requests, context):
+        return self._stream("tandem.v1.TargetService/Verify", self.Verify, requests, context)
+
     def RecomputeRows(self, request, context):
         def run():
             items = [(it.request_id, list(it.token_ids)) for it in request.items]
@@ -143,6 +146,9 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
 
     def running(self) -> int:
         return len(self.engine.requests)
+
+
+TargetServicer.VerifyStream.experimental_thread_pool = STREAM_THREADS
 
 
 def main(argv=None) -> int:
