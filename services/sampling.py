@@ -36,3 +36,10 @@ class Sampling:
         or random."""
         seed = (self.seed + stream) % (1 << 64) if self.seed is not None else int.from_bytes(os.urandom(8), "little")
         return torch.Generator().manual_seed(seed >> 1 if self.seed is None else seed)
+
+
+def noise_seed(s: Sampling) -> int:
+    """The draft's noise key of a sampled request (services/draft/noise.py): its seed (apart from the target's
+    streams) or a random one; an int64."""
+    seed = (s.seed + 1) % (1 << 64) if s.seed is not None else int.from_bytes(os.urandom(8), "little")
+    return seed - (1 << 64) if seed >= 1 << 63 else seed

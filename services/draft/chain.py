@@ -16,20 +16,25 @@ replay's only host sync is the final [B, k_max] token copy. Requests with fewer 
 padding in the later steps: position 0, context 0, their write lands on the scratch slot, their rows
 are never read. Without CUDA (CPU tests) the same body runs eagerly on the same buffers.
 
-Greedy rounds only; a round with a sampled request keeps the engine's loop (its draws come from each
-request's own generator).
+A round with sampled requests runs the sampled variant of the graph: each step's q = the request's
+temperature / top-k / top-p distribution and its token a draw from q with the request's keyed noise
+(noise.py: the same draws as the loop's); the [B, k_max, V] q come back with the tokens.
 """
 from __future__ import annotations
 
 import torch
 
 from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket
+from kernels.dispatch import sampling_probs
 from models.kv_cache import AttentionBatch, CacheFullError, PagedKVCache
+from services.draft.noise import choose, draw_keys
+from services.sampling import Sampling
 
 
 class DraftChain:
-    """`run(ids, hidden [B, D], ks)` -> drafts per request (ks[b] tokens each), extending the cache by
-    ks[b] - 1 positions per request; None when the round does not fit (the caller runs its loop)."""
+    """`run(ids, hidden [B, D], ks, sampled)` -> (drafts per request, ks[b] tokens each; q [B, k_max, V] on the
+    host or None), extending the cache by ks[b] - 1 positions per request; None when the round does not fit
+    (the caller runs its loop). sampled: None (all greedy) or per request (Sampling, noise seed, first draw)."""
 
     def __init__(self, model, cache: PagedKVCache, max_model_len: int, max_k: int, graphs: bool):
         self.model, self.cache, self.max_k, self.graphs = model, cache, max_k, graphs
@@ -43,7 +48,8 @@ class DraftChain:
         self.pool = None
         self.runs = self.replays = 0       # rounds drafted here; of those, replayed graphs
 
-    def run(self, ids: list[str], hidden: torch.Tensor, ks: list[int]) -> list[list[int]] | None:
+    def run(self, ids: list[str], hidden: torch.Tensor, ks: list[int],
+            sampled: list[tuple[Sampling, int, int]] | None = None):
         B, k_max = len(ids), max(ks)
         bp = _bucket(B, BATCH_BUCKETS)
         if bp is None or k_max > self.max_k or min(ks) < 1:
@@ -58,28 +64,35 @@ class DraftChain:
             return None
         for r, k in zip(ids, ks):
             cache.extend(r, k - 1)
-        key = (bp, k_max)
+        key = (bp, k_max, sampled is not None)
         if key not in self.compiled:
-            self.compiled[key] = self._build(bp, k_max)
+            self.compiled[key] = self._build(*key)
         graph, st, out = self.compiled[key]
         self._fill(st, ids, hidden, ks, starts, bp, k_max)
+        if sampled is not None:
+            self._fill_sampling(st, sampled, bp)
         if graph is not None:
             graph.replay()
             self.replays += 1
         else:
-            out = self._body(st, k_max)
-        toks = self.model.ps.decide(out[:B].cpu()).tolist()            # the round's one host sync
+            out = self._body(st, k_max, sampled is not None)
+        toks, q = out
+        toks = self.model.ps.decide(toks[:B].cpu()).tolist()           # the round's one host sync
         self.runs += 1
-        return [row[:k] for row, k in zip(toks, ks)]
+        return [row[:k] for row, k in zip(toks, ks)], (None if q is None else q[:B].cpu())
 
     # --- buffers -------------------------------------------------------------------------------
-    def _static(self, bp: int, k_max: int) -> dict:
+    def _static(self, bp: int, k_max: int, sampled: bool) -> dict:
         dev, S = self.cache.device, max(k_max - 1, 1)
         st = {"hidden": torch.zeros(bp, self.model.cfg.hidden_size, dtype=self.dtype, device=dev),
               "pos": torch.zeros(S, bp, dtype=torch.long, device=dev),
               "slots": torch.full((S, bp), self.scratch_slot, dtype=torch.long, device=dev),
               "ctx": torch.zeros(S, bp, dtype=torch.int32, device=dev),
               "tables": torch.zeros(bp, self.max_blocks, dtype=torch.int32, device=dev)}
+        if sampled:                            # per row: temperature, top-k, top-p, noise seed, first draw
+            st.update(temp=torch.zeros(bp, device=dev), top_k=torch.zeros(bp, dtype=torch.long, device=dev),
+                      top_p=torch.zeros(bp, device=dev), seeds=torch.zeros(bp, dtype=torch.long, device=dev),
+                      draws=torch.zeros(bp, dtype=torch.long, device=dev))
         req = torch.arange(bp, dtype=torch.int32, device=dev)
         qstart = torch.arange(bp + 1, dtype=torch.int32, device=dev)
         backend = "triton" if self.graphs else None
@@ -115,31 +128,46 @@ class DraftChain:
             for s, batch in enumerate(st["batches"]):
                 batch.host_block_tables, batch.host_starts, batch.plans = tables.int(), pos[s].tolist(), {}
 
+    def _fill_sampling(self, st: dict, sampled, bp: int) -> None:
+        pad = [(Sampling(), 0, 0)] * (bp - len(sampled))
+        rows = list(sampled) + pad
+        st["temp"].copy_(torch.tensor([s.temperature for s, _, _ in rows]))
+        st["top_k"].copy_(torch.tensor([s.top_k for s, _, _ in rows]))
+        st["top_p"].copy_(torch.tensor([s.top_p for s, _, _ in rows]))
+        st["seeds"].copy_(torch.tensor([seed for _, seed, _ in rows]))
+        st["draws"].copy_(torch.tensor([d for _, _, d in rows]))
+
     # --- the chain -----------------------------------------------------------------------------
-    def _body(self, st: dict, k_max: int) -> torch.Tensor:
-        # -> drafts [bp, k_max] int64 on the device
-        h, out = st["hidden"], []
+    def _body(self, st: dict, k_max: int, sampled: bool):
+        # -> (drafts [bp, k_max] int64, q [bp, k_max, V] fp32 or None) on the device
+        h, out, qs = st["hidden"], [], []
         layers = self.model.num_cache_layers
         for s in range(k_max):
-            tok = self.model.compute_logits(h).argmax(-1)                      # [bp]
+            logits = self.model.compute_logits(h)                             # [bp, V]
+            if sampled:                        # greedy rows: q one-hot, so the draw is their argmax
+                q = sampling_probs(logits, st["temp"], st["top_k"], st["top_p"])
+                tok = choose(q, draw_keys(st["seeds"], st["draws"] + s))
+                qs.append(q)
+            else:
+                tok = logits.argmax(-1)                                        # [bp]
             out.append(tok)
             if s < k_max - 1:
                 h = self.model(tok, h, st["batches"][s], self.cache, step=(s + 1) % layers)
-        return torch.stack(out, 1)
+        return torch.stack(out, 1), (torch.stack(qs, 1) if sampled else None)
 
-    def _build(self, bp: int, k_max: int):
-        st = self._static(bp, k_max)
+    def _build(self, bp: int, k_max: int, sampled: bool):
+        st = self._static(bp, k_max, sampled)
         if not self.graphs:
             return None, st, None
         dev = self.cache.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream), torch.inference_mode():                # warm-up on scratch rows only
-            self._body(st, k_max)
+            self._body(st, k_max, sampled)
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
                                                       capture_error_mode="thread_local"):
-            out = self._body(st, k_max)
+            out = self._body(st, k_max, sampled)
         self.pool = graph.pool()
         return graph, st, out

@@ -16,7 +16,8 @@ from models.kv_cache import CacheFullError, PagedKVCache
 from infra.defaults import MAX_DRAFT_TOKENS
 from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
-from services.sampling import Sampling
+from services.draft.noise import choose, draw_keys
+from services.sampling import Sampling, noise_seed
 
 
 @dataclass
@@ -37,7 +38,7 @@ class DraftEngine:
         self.vocab_size = model.cfg.vocab_size
         self.committed: dict[str, int] = {}      # request id -> committed cache positions
         self.sampling: dict[str, Sampling] = {}
-        self.generators: dict[str, torch.Generator | None] = {}   # sampled requests: the draft's own stream
+        self.noise: dict[str, list[int]] = {}     # sampled requests: [seed, draws so far] (services/draft/noise.py)
 
     def graphs_enabled(self) -> None:
         """CUDA graphs are on (services/launch.py): greedy rounds draft steps 2..k in one replay as well."""
@@ -81,7 +82,8 @@ class DraftEngine:
             if it.request_id in fresh:
                 self.cache.allocate(it.request_id)
                 self.committed[it.request_id], self.sampling[it.request_id] = 0, it.sampling
-                self.generators[it.request_id] = None if it.sampling.greedy else it.sampling.generator(stream=1)
+                if not it.sampling.greedy:
+                    self.noise[it.request_id] = [noise_seed(it.sampling), 0]
             else:                              # drop last round's speculative positions
                 self.cache.rollback(it.request_id, self.cache.length(it.request_id) - self.committed[it.request_id])
         ids = [it.request_id for it in items]
@@ -100,18 +102,30 @@ class DraftEngine:
                 ends = torch.tensor([len(toks[b]) for b in active]).cumsum(0) - 1
                 last = dict(zip(active, hidden[ends.to(hidden.device)]))       # b -> MTP hidden [D]
                 live = [b for b in active if k[b] > 0]
-                chained = None
-                if live and self.chain is not None and all(self.sampling[ids[b]].greedy for b in live):
-                    chained = self.chain.run([ids[b] for b in live], torch.stack([last[b] for b in live]),
-                                             [k[b] for b in live])              # one graph, one host sync
-                if chained is not None:
-                    for b, d in zip(live, chained):
-                        drafts[b] = d
-                else:
+                if not (live and self._chain(live, last, ids, k, drafts, probs)):
                     self._loop(live, last, ids, k, drafts, probs)
         except CacheFullError as e:
             raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+    def _chain(self, live: list[int], last: dict, ids: list[str], k: list[int], drafts: list, probs: list) -> bool:
+        """Steps 2..k in one replay (chain.py); False when there is no chain or the round does not fit it."""
+        if self.chain is None:
+            return False
+        rids = [ids[b] for b in live]
+        samplings = [self.sampling[r] for r in rids]
+        sampled = None if all(s.greedy for s in samplings) else [
+            (s, *(tuple(self.noise[r]) if not s.greedy else (0, 0))) for r, s in zip(rids, samplings)]
+        got = self.chain.run(rids, torch.stack([last[b] for b in live]), [k[b] for b in live], sampled)
+        if got is None:
+            return False
+        toks, q = got
+        for i, (b, r, s) in enumerate(zip(live, rids, samplings)):
+            drafts[b] = toks[i]
+            if not s.greedy:
+                self._draw(r, k[b])                                          # the draws the chain took
+                probs[b] = list(q[i, : k[b]])
+        return True
 
     def _loop(self, live: list[int], last: dict, ids: list[str], k: list[int], drafts: list, probs: list) -> None:
         """Steps 2..k, one at a time: each chooses its tokens on the host before the next step runs."""
@@ -136,25 +150,32 @@ class DraftEngine:
         return expect_rows(out, tokens.shape[0], "the MTP block")
 
     def _pick(self, hidden: torch.Tensor, ids: list[str]):
-        """hidden [M, D] of requests `ids` -> (token, q [V] or None) per row: argmax when greedy, else a sample of q."""
-        samplings, gens = [self.sampling[r] for r in ids], [self.generators[r] for r in ids]
+        """hidden [M, D] of requests `ids` -> (token, q [V] or None) per row: argmax when greedy, else a draw from q
+        with the request's next keyed noise."""
+        samplings = [self.sampling[r] for r in ids]
         logits = self.model.compute_logits(hidden)
         if all(s.greedy for s in samplings):
             return [(int(t), None) for t in self.model.ps.decide(logits.argmax(-1).cpu()).tolist()]
         dev = logits.device
         q = sampling_probs(logits, torch.tensor([s.temperature for s in samplings], device=dev),
                            torch.tensor([s.top_k for s in samplings], device=dev),
-                           torch.tensor([s.top_p for s in samplings], device=dev)).cpu()
-        toks = torch.stack([qi.argmax() if s.greedy else (qi / torch.empty_like(qi).exponential_(generator=g)).argmax()
-                            for qi, s, g in zip(q, samplings, gens)])
-        toks = self.model.ps.decide(toks).tolist()                                # rank 0 decides
+                           torch.tensor([s.top_p for s in samplings], device=dev))
+        seeds, draws = zip(*[self._draw(r, 1) if not s.greedy else (0, 0) for r, s in zip(ids, samplings)])
+        toks = choose(q, draw_keys(torch.tensor(seeds, device=dev), torch.tensor(draws, device=dev)))
+        toks, q = self.model.ps.decide(toks.cpu()).tolist(), q.cpu()             # rank 0 decides
         return [(t, None if s.greedy else qi) for t, qi, s in zip(toks, q, samplings)]
+
+    def _draw(self, rid: str, n: int) -> tuple[int, int]:
+        """A sampled request's seed and its next draw index; takes n draws."""
+        entry = self.noise[rid]
+        draw, entry[1] = entry[1], entry[1] + n
+        return entry[0], draw
 
     def release(self, ids: list[str]) -> int:
         n = 0
         for rid in ids:
             n += self.committed.pop(rid, None) is not None
             self.sampling.pop(rid, None)
-            self.generators.pop(rid, None)
+            self.noise.pop(rid, None)
             self.cache.release(rid)
         return n
