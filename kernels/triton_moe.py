@@ -132,7 +132,7 @@ def _down_kernel(h_ptr, w_ptr, pair_ptr, blk_ptr, rw_ptr, out_ptr, s_hm, s_we, s
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                     ids: torch.Tensor, first: int, block_m: int | None = None) -> torch.Tensor:
+                     ids: torch.Tensor, first: int, block_m: int | None = None, tiles=None) -> torch.Tensor:
     """x [N, D], w13 [E, 2I, D], w2 [E, D, I], weights [N, k] (fp32), ids [N, k] global expert ids,
     first: this rank's first expert -> [N, D] in x's dtype (this rank's experts only)."""
     N, D = x.shape
@@ -150,13 +150,19 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
         return out.view(N, k, D).sum(1)
     rw = weights.reshape(-1).float().contiguous()                                 # [N*k]
     prec = dot_precision(x)
-    bn, bk = 64, 64
+    (bn, bk, warps, stages), (bn2, bk2, warps2, stages2) = tiles or moe_tiles(N * k, E)
     _gate_up_kernel[(max_blocks, triton.cdiv(I, bn))](
         x, w13, pair_ids, block_expert, h, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), D, I, E, k,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(D, bk), PRECISION=prec,
-        num_warps=4, num_stages=3)
-    _down_kernel[(max_blocks, triton.cdiv(D, bn))](
+        num_warps=warps, num_stages=stages)
+    _down_kernel[(max_blocks, triton.cdiv(D, bn2))](
         h, w2, pair_ids, block_expert, rw, out, h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), D, I, E,
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(I, bk), PRECISION=prec,
-        num_warps=4, num_stages=3)
+        BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, K_TILES=triton.cdiv(I, bk2), PRECISION=prec,
+        num_warps=warps2, num_stages=stages2)
     return out.view(N, k, D).sum(1)
+
+
+def moe_tiles(pairs: int, num_local: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the gate/up and the down kernel, from shapes only (a captured
+    batch keeps its tiles)."""
+    return (64, 64, 4, 3), (64, 64, 4, 3)
