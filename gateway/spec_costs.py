@@ -23,6 +23,8 @@ from __future__ import annotations
 DECAY = 0.97            # weight of a past round, per newer round (about 30 rounds of memory)
 RIDGE = 1.0             # the prior counts as this many rounds
 SPREAD = 0.2            # an input varying by this share of its scale (std) measures its coefficient
+RECENT = 0.7            # decay of the sums that tell whether an input varied lately
+PIN = 1000.0            # ridge (in rounds) holding a coefficient whose input did not vary lately
 
 
 class Fit:
@@ -30,7 +32,8 @@ class Fit:
     (feature i's ridge is RIDGE * scale[i] ** 2: deviating by d in theta_i costs as much as an error of
     scale[i] * d on one round). The prior follows the fit in each direction the recent rounds spread
     over (a coefficient seen only through a constant input keeps its last well-measured value, not
-    zero); without a prior (`informed` False) the ridge is only a guard against a singular system."""
+    zero: it is pinned there until its input varies again); without a prior (`informed` False) the ridge
+    is only a guard against a singular system."""
 
     def __init__(self, prior: list[float], scale: list[float], informed: bool):
         self.prior, self.scale, self.informed = list(prior), list(scale), informed
@@ -38,6 +41,7 @@ class Fit:
         self.sxx = [[0.0] * size for _ in range(size)]
         self.sxy = [0.0] * size
         self.theta, self.n = list(prior), 0.0
+        self.recent = [[0.0] * size, [0.0] * size, 0.0]      # fast-decaying sums of x, x^2 and the count
 
     def add(self, x: list[float], y: float) -> None:
         size = len(x)
@@ -47,13 +51,18 @@ class Fit:
             for j in range(size):
                 row[j] = DECAY * row[j] + x[i] * x[j]
         self.n = DECAY * self.n + 1
-        ridge = [(RIDGE if self.informed else 1e-3) * sc ** 2 for sc in self.scale]
+        s1, s2, _ = self.recent
+        for i in range(size):
+            s1[i], s2[i] = RECENT * s1[i] + x[i], RECENT * s2[i] + x[i] * x[i]
+        self.recent[2] = n = RECENT * self.recent[2] + 1
+        varied = [i == 0 or s2[i] / n - (s1[i] / n) ** 2 >= (SPREAD * self.scale[i]) ** 2 for i in range(size)]
+        # a coefficient whose input has not varied lately is pinned to its last measured value
+        ridge = [(RIDGE if v else PIN) * sc ** 2 if self.informed else 1e-3 * sc ** 2 for v, sc in zip(varied, self.scale)]
         a = [[self.sxx[i][j] + (ridge[i] if i == j else 0.0) for j in range(size)] for i in range(size)]
         self.theta = solve(a, [self.sxy[i] + ridge[i] * self.prior[i] for i in range(size)])
         self.prior[0] = self.theta[0]
         for i in range(1, size):
-            spread = self.sxx[i][i] / self.n - (self.sxx[0][i] / self.n) ** 2
-            if spread >= (SPREAD * self.scale[i]) ** 2:
+            if varied[i]:
                 self.prior[i], self.informed = self.theta[i], True
 
     def predict(self, x: list[float]) -> float:
