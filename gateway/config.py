@@ -15,6 +15,7 @@ from tandem.v1 import rows_pb2
 DESCRIPTION = """`tandem gateway`: the public face in front of the target and draft services — the gRPC
 GenerateService and the OpenAI-compatible REST API (gateway/http.py), in one process and event loop."""
 # how the gateway asks the target for rows: auto (the services settle it), bridge, or inline
+SPECULATION = ("fixed", "adaptive")       # gateway/adaptive.py
 TRANSPORTS = {name: rows_pb2.TRANSPORT_INLINE if name == "inline" else rows_pb2.TRANSPORT_UNSPECIFIED if name == "auto"
               else rows_pb2.TRANSPORT_BRIDGE for name in HIDDEN_TRANSPORTS}
 
@@ -24,7 +25,9 @@ class GatewayConfig:
     model: str
     target_addr: str = "127.0.0.1:50052"
     draft_addr: str = "127.0.0.1:50053"
-    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS
+    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS    # K; with --speculation adaptive, the cap
+    speculation: str = "fixed"               # how many drafts each request gets a round: SPECULATION
+    adaptive_reprobe_rounds: int = 0         # adaptive: rounds between wakes of parked requests (0: auto)
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     max_batch: int = 64
@@ -67,6 +70,10 @@ class GatewayConfig:
         if not 0 <= self.num_speculative_tokens <= MAX_DRAFT_TOKENS:
             raise SystemExit(f"--num-speculative-tokens must be in [0, {MAX_DRAFT_TOKENS}], got "
                              f"{self.num_speculative_tokens}")
+        if self.speculation not in SPECULATION:
+            raise SystemExit(f"--speculation must be one of {list(SPECULATION)}, got {self.speculation!r}")
+        if self.adaptive_reprobe_rounds < 0:
+            raise SystemExit(f"--adaptive-reprobe-rounds must be >= 0 (0: automatic), got {self.adaptive_reprobe_rounds}")
         if self.hidden_transport not in TRANSPORTS:
             raise SystemExit(f"--hidden-transport must be one of {list(TRANSPORTS)}, got {self.hidden_transport!r}")
         if self.service_calls not in ("stream", "unary"):
@@ -87,7 +94,13 @@ def parse(argv) -> GatewayConfig:
     p.add_argument("--target-addr", default="127.0.0.1:50052", help="the target service")
     p.add_argument("--draft-addr", default="127.0.0.1:50053", help="the draft service")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=NUM_SPECULATIVE_TOKENS,
-                   help="draft tokens per round (0: plain decoding); a request may ask for fewer")
+                   help="draft tokens per round (0: plain decoding); with --speculation adaptive the most a "
+                   "request drafts; a request may ask for fewer (num_speculative_tokens)")
+    p.add_argument("--speculation", default="fixed", help="fixed: every request drafts its K each round; adaptive: "
+                   "each round picks each request's k in 0..K from its live acceptance and the measured round costs "
+                   "(gateway/adaptive.py)")
+    p.add_argument("--adaptive-reprobe-rounds", type=int, default=0, help="adaptive: rounds between two probes of "
+                   "requests parked at k = 0 (0: as often as 1%% of the round time pays for)")
     p.add_argument("--host", default="127.0.0.1", help="address of the gRPC and HTTP listeners")
     p.add_argument("--grpc-port", type=int, default=50051, help="the GenerateService")
     p.add_argument("--http-port", "--port", type=int, default=8000,

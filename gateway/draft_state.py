@@ -2,15 +2,19 @@
 
 The draft's cache of a request is derived state: the committed tokens it was given (from `position`
 on) and the target's hidden rows for them. The gateway keeps the tokens not yet given to it and the
-row set that holds their rows, and two flags:
+row set that holds their rows, and these flags:
 
 - `speculate`: the draft holds the request's state and proposes for it each round;
 - `stale`: the request wants drafts but the draft's cache of it is lost or unknown, so it decodes
-  without drafts until gateway/resync.py rebuilds that cache.
+  without drafts until gateway/resync.py rebuilds that cache;
+- `parked`: the speculation policy (gateway/adaptive.py) stopped sending it to the draft, whose cache of
+  it falls behind; it decodes without drafts until the policy wakes it (then it is stale: re-synced).
 
 Transitions (each a method below): `prefilled` (after Prefill), `proposed` (a Propose took the
 pending tokens), `verified` (a Verify committed tokens + rows), `lost` (the draft failed: stale),
-`resynced` (its cache was rebuilt), `dropped` (re-sync gave up: the request finishes without drafts).
+`resynced` (its cache was rebuilt), `dropped` (re-sync gave up: the request finishes without drafts),
+`park` (no Propose for it this round, by choice) and `wake` (the policy wants drafts again: stale).
+`probe` marks a stale request the policy woke, so gateway/resync.py does not count it as a fault.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ class DraftState:
     pending: list[int] = field(default_factory=list)          # committed, not yet given to the draft
     position: int = 0                                         # the index of pending[0] in the request
     rows: rows_pb2.HiddenRows | None = None                   # the row set holding the pending tokens' rows
+    parked: bool = False
+    probe: bool = False                                       # stale because the policy woke it
 
     def prefilled(self, tokens: list[int], rows: rows_pb2.HiddenRows, speculate: bool, wants_drafts: bool) -> None:
         """After Prefill: the draft gets `tokens` (prompt + first token) from position 0 with Prefill's
@@ -53,9 +59,19 @@ class DraftState:
     def resynced(self, tokens: list[int], rows: rows_pb2.HiddenRows) -> None:
         """The draft dropped what it held and the target recomputed rows of every committed token but
         the last: the next Propose gives it all of `tokens` from position 0, as a new request."""
-        self.speculate, self.stale = True, False
+        self.speculate, self.stale, self.probe = True, False, False
         self.pending, self.position, self.rows = list(tokens), 0, rows
 
     def dropped(self) -> None:
         """Re-sync gave up (no room for it on the target): the request finishes without drafts."""
         self.speculate, self.stale = False, False
+
+    def park(self) -> None:
+        """The policy sends it no Propose this round: the draft falls behind on it until `wake`."""
+        if self.speculate:
+            self.speculate, self.parked = False, True
+
+    def wake(self) -> None:
+        """The policy wants drafts for a parked request again: re-sync it (gateway/resync.py) first."""
+        if self.parked:
+            self.parked, self.stale, self.probe = False, True, True

@@ -9,6 +9,12 @@ read when scraped; latencies are histograms observed as tokens are committed.
 inter_token_latency: a round commits several tokens at once; its time since the request's
 previous commit is spread evenly over them (dt / n, observed n times), as a client sees it.
 
+Speculation policy (gateway/adaptive.py): spec_decode_chosen_k is a histogram of the k each running
+request got a round (0: none); spec_decode_request_acceptance{position} a histogram, over finished
+requests that drafted, of each one's conditional acceptance at each draft position as the policy
+estimated it (fixed: as measured); spec_decode_parked / spec_decode_reprobes count requests the
+adaptive policy parked at k = 0 (no Propose) and woke again for a probe.
+
 hidden_transport_info{transport}: 1 for the transport hidden rows take now (`hidden_transport`), the
 series vLLM-style info gauges use; speculation_active: 1 while the draft proposes (0: off or degraded).
 """
@@ -19,7 +25,7 @@ import logging
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from gateway.scheduler import GenRequest, Observer, SpecStats
 from tandem.v1 import common_pb2, rows_pb2
@@ -27,6 +33,7 @@ from tandem.v1 import common_pb2, rows_pb2
 log = logging.getLogger("tandem.gateway")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0, 160.0)
+ACCEPTANCE_BUCKETS = tuple(i / 10 for i in range(1, 10)) + (0.95, 1.0)
 PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -53,6 +60,10 @@ class GatewayMetrics(Observer):
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens processed", lab, registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated", lab, registry=r)
         self.success = Counter("tandem:request_success", "Requests finished", lab + ["finished_reason"], registry=r)
+        self.request_acceptance = Histogram(
+            "tandem:spec_decode_request_acceptance", "Per finished request that drafted: its conditional acceptance "
+            "at each draft position, as the speculation policy estimates it", lab + ["position"],
+            buckets=ACCEPTANCE_BUCKETS, registry=r)
         self.registry.register(_Collector(self))
         self._last = SpecStats()
 
@@ -81,6 +92,9 @@ class GatewayMetrics(Observer):
         if reason:
             self.e2e.labels(self.model_name).observe(now - r.arrival)
             self.success.labels(self.model_name, reason).inc()
+        if self.scheduler is not None and r.stats.num_drafts:
+            for i, a in enumerate(self.scheduler.policy.estimate(r)):
+                self.request_acceptance.labels(self.model_name, str(i)).observe(a)
 
     # --- services ---------------------------------------------------------------------------------
     async def poll(self) -> dict:
@@ -151,6 +165,7 @@ class _Collector:
             c = CounterMetricFamily(f"tandem:{name}", doc, labels=["model_name"])
             c.add_metric(lab, v)
             yield c
+        yield from _policy(s.policy, lab)
         c = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens_per_pos",
                                 "Draft tokens accepted at each draft position", labels=["model_name", "position"])
         for i, v in enumerate(st.accepted_per_position):
@@ -186,6 +201,24 @@ def hidden_transport(s, info: dict) -> str:
     if s.transport == rows_pb2.TRANSPORT_INLINE or isinstance(t, str) or t is None or not t.hidden_transport:
         return "inline"
     return f"bridge:{t.hidden_transport}"
+
+
+def _policy(policy, lab: list[str]):
+    """The speculation policy's counters (gateway/adaptive.py): chosen k per request-round, parks, wakes."""
+    h = HistogramMetricFamily("tandem:spec_decode_chosen_k", "Draft tokens a running request got in a round "
+                              "(0: none), chosen by the speculation policy", labels=["model_name"])
+    counts, cum = policy.k_counts, 0
+    buckets = []
+    for k, n in enumerate(counts):
+        cum += n
+        buckets.append((str(float(k)), cum))
+    h.add_metric(lab, buckets + [("+Inf", cum)], sum(k * n for k, n in enumerate(counts)))
+    yield h
+    for name, doc, v in (("spec_decode_parked", "Times a request was parked at k = 0 (no Propose)", policy.parks),
+                         ("spec_decode_reprobes", "Parked requests woken for a probe", policy.wakes)):
+        c = CounterMetricFamily(f"tandem:{name}", doc, labels=["model_name"])
+        c.add_metric(lab, v)
+        yield c
 
 
 def _availability(av, lab: list[str]):

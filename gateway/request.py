@@ -86,12 +86,16 @@ class GenRequest:
     last_token_time: float | None = None
     deadline: float | None = None                            # time.monotonic() by which the client gives up
     max_model_len: int = 1 << 30                             # the target's: prompt + output fit in it
+    round_cap: int | None = None                             # this round's k, when a policy chose one
+    policy_state: object = None                              # the speculation policy's (gateway/adaptive.py)
 
-    def round_k(self) -> int:
-        """Drafts this round: K, less near the end of the context (the target holds at most max_model_len
-        positions). Near max_tokens a round still drafts K (the tokens past it are dropped): every round
-        proposes the same K, so acceptance figures stay comparable across requests."""
-        return max(0, min(self.k, self.max_model_len - len(self.prompt_ids) - len(self.output_ids)))
+    def round_k(self, k: int | None = None) -> int:
+        """Drafts this round: k (default: the speculation policy's choice for this round, else K), less near
+        the end of the context (the target holds at most max_model_len positions). Near max_tokens a round
+        still drafts k (the tokens past it are dropped), so acceptance figures stay comparable across requests."""
+        if k is None:
+            k = self.k if self.round_cap is None else self.round_cap
+        return max(0, min(k, self.max_model_len - len(self.prompt_ids) - len(self.output_ids)))
 
 
 def call_budget(reqs: list[GenRequest], cap: float) -> tuple[float, bool]:

@@ -17,6 +17,7 @@ and reports through the scheduler's public fault methods (fail, draft_lost, targ
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -56,14 +57,16 @@ async def resync(s: Scheduler, reqs: list[GenRequest]) -> None:
     for chunk in chunks(reqs):
         req = target_pb2.RecomputeRowsRequest(transport=s.transport, items=[target_pb2.RecomputeItem(
             request_id=r.id, token_ids=list(r.prompt_ids) + list(r.output_ids)) for r in chunk])
+        t0 = time.perf_counter()
         try:
             resp = await s.target.RecomputeRows(req, timeout=s.timeout)
         except grpc.aio.AioRpcError as e:
             give_up(s, chunk, e)
             continue
+        s.policy.resynced(sum(len(it.token_ids) for it in req.items), time.perf_counter() - t0)
+        done += sum(not r.draft.probe for r in chunk)          # a probe the policy asked for is no fault
         for r in chunk:
             r.draft.resynced(list(r.prompt_ids) + list(r.output_ids), resp.hidden_rows)
-        done += len(chunk)
     s.avail.resynced += done
     if done:
         log.info("re-synced the draft's cache of %d running requests", done)

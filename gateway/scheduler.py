@@ -7,8 +7,8 @@ their draft cache is re-synced before it proposes for them again (gateway/availa
 gateway/resync.py). A contract error or a target failure ends every request of that round with
 the service's status and message; a target that is UNAVAILABLE also refuses new requests.
 
-Deadlines: a request whose deadline passed is failed (DEADLINE_EXCEEDED) and freed before the next
-round; a call whose requests all carry deadlines is given no longer than the last of them.
+Deadlines: a request past its deadline fails (DEADLINE_EXCEEDED) and is freed before the next round; a
+call whose requests all carry deadlines is given no longer than the last of them. Each request's k: gateway/adaptive.py.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import uuid
 
 import grpc
 
+from gateway.adaptive import FixedPolicy
 from gateway.availability import Availability, InFlight
 from gateway.request import Event, GenRequest, Observer, SpecStats, call_budget  # noqa: F401 (re-exported)
 from gateway.resync import resync
@@ -38,11 +39,10 @@ class Scheduler:
 
     def __init__(self, target: TargetStub, draft: DraftStub | None, eos_ids: set[int], max_batch: int = 64,
                  rpc_timeout_s: float = 60.0, transport: int = rows_pb2.TRANSPORT_UNSPECIFIED,
-                 observer: Observer | None = None, draft_timeout_s: float = 10.0, max_waiting: int = 0):
+                 observer: Observer | None = None, draft_timeout_s: float = 10.0, max_waiting: int = 0, policy=None):
         self.target, self.draft, self.eos = target, draft, eos_ids
-        self.obs = observer or Observer()
-        self.max_batch, self.timeout, self.transport = max_batch, rpc_timeout_s, transport
-        self.draft_timeout = draft_timeout_s
+        self.obs, self.policy = observer or Observer(), policy or FixedPolicy()   # policy: gateway/adaptive.py
+        self.max_batch, self.timeout, self.transport, self.draft_timeout = max_batch, rpc_timeout_s, transport, draft_timeout_s
         self.avail = Availability(draft is not None, max_waiting)
         self.waiting: list[GenRequest] = []
         self.running: list[GenRequest] = []
@@ -170,7 +170,7 @@ class Scheduler:
     async def _round(self, batch: list[GenRequest]) -> None:
         """One speculative round over the running batch: Propose for the requests the draft speculates
         for, Verify every request (with no drafts for the others), commit the target's tokens."""
-        spec = [r for r in batch if r.draft.speculate]
+        spec = self.policy.plan(batch)      # who goes to the draft, each with its k (GenRequest.round_k)
         round_t0 = time.perf_counter()
         split = {"propose": 0.0, "transfer": 0.0, "draft_compute": 0.0}   # round split (metrics)
         drafts = await self._propose(batch, spec, split) if spec else {}
@@ -197,6 +197,7 @@ class Scheduler:
         split["round"] = time.perf_counter() - round_t0
         split["gateway"] = split["round"] - split["propose"] - split["verify"]
         self.obs.round_split(split)
+        self.policy.observe(batch, split)
 
     async def _propose(self, batch: list[GenRequest], spec: list[GenRequest],
                        split: dict[str, float]) -> dict[str, draft_pb2.ProposeResult] | None:

@@ -16,6 +16,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_reflection.v1alpha import reflection
 from tokenizers import Tokenizer
 
+from gateway.adaptive import AdaptivePolicy, FixedPolicy
 from gateway.auth import ApiKeyInterceptor
 from gateway.config import TRANSPORTS, GatewayConfig, parse
 from gateway.core import Gateway, Limits, NoTokenizer
@@ -122,7 +123,9 @@ async def serve(cfg: GatewayConfig) -> None:
         target, draft = StreamedTarget(target), (None if draft is None else StreamedDraft(draft))
     scheduler = Scheduler(target, draft, set(info.eos_token_ids), cfg.max_batch, cfg.rpc_timeout_s,
                           transport=TRANSPORTS[cfg.hidden_transport], observer=metrics,
-                          draft_timeout_s=cfg.draft_timeout_s, max_waiting=cfg.max_waiting)
+                          draft_timeout_s=cfg.draft_timeout_s, max_waiting=cfg.max_waiting,
+                          policy=AdaptivePolicy(cfg.num_speculative_tokens, cfg.adaptive_reprobe_rounds)
+                          if cfg.speculation == "adaptive" else FixedPolicy(cfg.num_speculative_tokens))
     metrics.attach(scheduler, svc.stubs)
     gw = Gateway(cfg.model, cfg.model_name, tokenizer, scheduler, Limits(
         info.vocab_size, info.max_model_len, cfg.num_speculative_tokens, cfg.default_max_tokens, cfg.max_logprobs,
@@ -138,8 +141,9 @@ async def serve(cfg: GatewayConfig) -> None:
                   if cfg.stats_interval_s > 0 else None)
     for name in ("", "tandem.v1.GenerateService"):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("gateway serving gRPC on %s:%d and HTTP on %s://%s:%d (model %r, K=%d, %s, API key %s)", cfg.host, port,
-             "https" if cfg.tls.cert else "http", cfg.host, http_port, cfg.model_name, cfg.num_speculative_tokens,
+    log.info("gateway serving gRPC on %s:%d and HTTP on %s://%s:%d (model %r, K=%d %s, %s, API key %s)", cfg.host,
+             port, "https" if cfg.tls.cert else "http", cfg.host, http_port, cfg.model_name, cfg.num_speculative_tokens,
+             cfg.speculation,
              "TLS" if cfg.tls.cert else "plaintext", "required" if cfg.key else "off")
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

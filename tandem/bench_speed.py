@@ -13,7 +13,15 @@ per profile): a constant, and a per-position profile like DeepSeek-R1's publishe
     tandem bench speed --device cuda --random-config v2-lite --synthetic-acceptance 0.85 \
         --synthetic-acceptance 0.92,0.72,0.36 --ks 0,3 --batches 1,32
 
-Greedy requests sent as token ids (seeded 1000 + i), ignore_eos. Unknown flags go to `tandem serve`.
+Adaptive speculation (gateway/adaptive.py) side by side with the fixed K grid, on a mixed workload (every
+other request sampled at temperature 1) and near-zero acceptance:
+
+    tandem bench speed --speculation fixed,adaptive --ks 0,1,2,3 --workload mixed
+    tandem bench speed --speculation fixed,adaptive --synthetic-acceptance 0.92,0.72,0.36 --synthetic-acceptance 0.02
+
+(a cluster per mode and profile; the adaptive rows cap k at the largest of --ks and give the mean k it chose).
+Requests sent as token ids (seeded 1000 + i), ignore_eos, greedy unless --workload mixed. Unknown flags go to
+`tandem serve`.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ from tandem.bench import bench_prompts, start_cluster, stop_cluster, write_resul
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 METRIC = "tandem:round_phase_seconds"
+CHOSEN_K = "tandem:spec_decode_chosen_k"
 PHASES = ("round", "propose", "transfer", "draft_compute", "verify", "target_compute", "gateway")
 
 
@@ -42,17 +51,21 @@ def scrape(http_addr: str) -> dict[str, list[float]]:
         for s in fam.samples:
             if s.name in (METRIC + "_sum", METRIC + "_count"):
                 out.setdefault(s.labels["phase"], [0.0, 0.0])[s.name.endswith("_count")] += s.value
+            elif s.name in (CHOSEN_K + "_sum", CHOSEN_K + "_count"):     # k a request got a round, summed
+                out.setdefault("chosen_k", [0.0, 0.0])[s.name.endswith("_count")] += s.value
     return out
 
 
-def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, batch: int, max_tokens: int) -> dict:
-    """`batch` concurrent greedy requests at a time until every prompt is done (after one warm-up batch)."""
+def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, batch: int, max_tokens: int,
+               mixed: bool = False) -> dict:
+    """`batch` concurrent requests at a time until every prompt is done (after one warm-up batch); greedy,
+    or (mixed) every other one sampled at temperature 1."""
     def one(i_ids):
         i, ids = i_ids
         t0 = time.perf_counter()
         r = stub.Generate(generate_pb2.GenerateRequest(
             token_ids=generate_pb2.TokenIds(ids=ids), max_tokens=max_tokens, ignore_eos=True, seed=1000 + i,
-            num_speculative_tokens=k), timeout=900)
+            temperature=1.0 if mixed and i % 2 else 0.0, num_speculative_tokens=k), timeout=900)
         return r, time.perf_counter() - t0
     with ThreadPoolExecutor(batch) as pool:
         list(pool.map(one, enumerate(prompts[:batch])))                    # warm-up
@@ -67,14 +80,16 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
     rounds = after.get("round", [0, 0])[1] - before.get("round", [0, 0])[1]
     split = {ph: 1000 * (after.get(ph, [0, 0])[0] - before.get(ph, [0, 0])[0]) / rounds
              for ph in PHASES} if rounds else {}
-    return {"k": k, "batch": batch, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+    ks = [after.get("chosen_k", [0, 0])[i] - before.get("chosen_k", [0, 0])[i] for i in (0, 1)]
+    return {"k": k, "batch": batch, "mean_k": ks[0] / ks[1] if ks[1] else float(k), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0, "rounds": int(rounds),
             "p50_request_s": sorted(t for _, t in results)[len(results) // 2], "ms_per_round": split}
 
 
 def table(rows: list[dict]) -> str:
     inproc = any("inprocess_tokens_per_s" in r for r in rows)
-    head = ["acceptance", "batch", "K", "served tok/s", "speedup vs K=0", "mean acc. length", "round ms", "propose ms",
+    head = ["acceptance", "batch", "K", "served tok/s", "run spread", "speedup vs K=0", "mean acc. length", "round ms", "propose ms",
             "transfer ms", "draft compute ms", "verify ms", "target compute ms", "RPC overhead ms", "gateway ms"]
     head += ["in-process tok/s", "in-process speedup", "served / in-process"] if inproc else []
     head += ["ideal round ms", "ideal tok/s", "served of ideal"]
@@ -84,15 +99,23 @@ def table(rows: list[dict]) -> str:
         ms = (lambda ph: f"{s[ph]:.2f}") if s else (lambda ph: "")
         rpc = (f"{s['propose'] - s['transfer'] - s['draft_compute'] + s['verify'] - s['target_compute']:.2f}"
                if s else "")
-        cells = [r["acceptance"], r["batch"], r["k"], f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
+        cells = [r["acceptance"], r["batch"], k_name(r, True), f"{r['tokens_per_s']:.1f}",
+                 f"{r['spread']:.0%}" if len(r.get("tokens_per_s_runs", [])) > 1 else "", f"{r['speedup']:.2f}",
                  f"{r['mean_acceptance_length']:.2f}", ms("round"), ms("propose"), ms("transfer"),
                  ms("draft_compute"), ms("verify"), ms("target_compute"), rpc, ms("gateway")]
         if inproc:
             cells += [f"{r['inprocess_tokens_per_s']:.1f}", f"{r['inprocess_speedup']:.2f}",
-                      f"{r['served_over_inprocess']:.2f}"]
+                      f"{r['served_over_inprocess']:.2f}"] if "inprocess_tokens_per_s" in r else ["", "", ""]
         cells += [f"{r['ideal_round_ms']:.2f}", f"{r['ideal_tokens_per_s']:.0f}", f"{r['of_ideal']:.0%}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def k_name(r: dict, mean: bool = False) -> str:
+    """A row's K: the fixed K, or the adaptive cap (and the mean k chosen)."""
+    if r.get("speculation") != "adaptive":
+        return str(r["k"])
+    return f"adaptive <= {r['k']}" + (f" (mean {r['mean_k']:.2f})" if mean else "")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -100,10 +123,10 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for acc, k in sorted({(r["acceptance"], r["k"]) for r in rows}):
-        rs = [r for r in rows if r["k"] == k and r["acceptance"] == acc]
-        name = f"K={k}" if k == 0 or len({r["acceptance"] for r in rows}) == 1 else f"K={k} ({acc})"
-        if k == 0 and acc != rows[0]["acceptance"]:
+    for acc, k in sorted({(r["acceptance"], k_name(r)) for r in rows}):
+        rs = [r for r in rows if k_name(r) == k and r["acceptance"] == acc]
+        name = f"K={k}" if k == "0" or len({r["acceptance"] for r in rows}) == 1 else f"K={k} ({acc})"
+        if k == "0" and acc != rows[0]["acceptance"]:
             continue                                   # K = 0 does not depend on the acceptance profile
         ax.plot([r["batch"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=f"served {name}")
         if all("inprocess_tokens_per_s" in r for r in rs):
@@ -126,7 +149,7 @@ def plot(rows: list[dict], path: Path) -> None:
                         if key == "rpc" else s[key])
         bx.bar(range(len(split)), vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    bx.set_xticks(range(len(split)), [f"B{r['batch']} K{r['k']} {r['acceptance']}" for r in split], rotation=45,
+    bx.set_xticks(range(len(split)), [f"B{r['batch']} K{k_name(r)} {r['acceptance']}" for r in split], rotation=45,
                   fontsize=7)
     bx.set_ylabel("ms per round (served)")
     bx.legend(fontsize=8)
@@ -148,8 +171,14 @@ def parse(argv):
     p.add_argument("--gateway", default=None, help="use a running gateway (HOST:PORT) instead of starting one")
     p.add_argument("--metrics", default=None, help="with --gateway: its HTTP HOST:PORT (/metrics) for the split")
     p.add_argument("--ks", default="0,1,2,3,4")
+    p.add_argument("--speculation", default="fixed", help="fixed (the --ks grid), adaptive (k <= the largest of "
+                   "--ks chosen per request and round), or fixed,adaptive: both, a cluster each")
+    p.add_argument("--workload", default="greedy", choices=["greedy", "mixed"], help="mixed: every other request "
+                   "at temperature 1 (the synthetic acceptance applies to greedy ones only)")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--requests-per-batch", type=int, default=2, help="requests = this x batch size")
+    p.add_argument("--repeats", type=int, default=1, help="measure each row this many times (interleaved); the "
+                   "table gives the mean and the spread (max - min) / mean")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--in-process", action="store_true", help="also run the grid in one process, no gRPC")
@@ -158,31 +187,42 @@ def parse(argv):
 
 
 def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) -> list[dict]:
-    """The served grid with one synthetic acceptance profile ('' : the model's own), then in process."""
+    """The served grid with one synthetic acceptance profile ('' : the model's own): a cluster per
+    speculation mode, all up at once and measured in turn (each batch's rows, --repeats times, interleaved:
+    the machine's load drifts alike for all), then in process."""
     ks = [int(x) for x in a.ks.split(",")]
+    modes = a.speculation.split(",")
     serve_args = ["--device", a.device] + (["--dtype", a.dtype] if a.dtype else [])
     if a.random_config:
         serve_args += ["--random-config", a.random_config, "--seed", str(a.seed)]
     if profile:
         serve_args += ["--synthetic-acceptance", profile]
-    proc, http = None, a.metrics
-    if a.gateway is None:
-        proc, a.gateway, http = start_cluster(None if rid else model, max(ks), serve_args + extra)
-    rows = []
+    clusters = {}                                   # mode -> (process or None, gateway, metrics address)
+    runs: dict[tuple, list[dict]] = {}
     try:
-        stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(a.gateway))
+        for mode in modes:
+            clusters[mode] = ((None, a.gateway, a.metrics) if a.gateway else
+                              start_cluster(None if rid else model, max(ks), serve_args + extra + ["--speculation", mode]))
+        stubs = {m: generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(c[1])) for m, c in clusters.items()}
         for b in (int(x) for x in a.batches.split(",")):
             prompts = bench_prompts(model, b * a.requests_per_batch, a.prompt_tokens, seed=b)
-            for k in ks:
-                r = run_served(stub, http, prompts, k, b, a.max_tokens)
-                r["acceptance"] = profile or "model"
-                rows.append(r)
-                print(f"served {r['acceptance']} batch {b:3d} K={k}: {r['tokens_per_s']:9.1f} tok/s  MAL "
-                      f"{r['mean_acceptance_length']:.2f}  ms/round {r['ms_per_round'].get('round', 0):.2f}", flush=True)
+            for _ in range(a.repeats):
+                for mode in modes:
+                    for k in (ks if mode == "fixed" else [max(ks)]):
+                        r = run_served(stubs[mode], clusters[mode][2], prompts, k, b, a.max_tokens, a.workload == "mixed")
+                        r.update(acceptance=profile or "model", speculation=mode, workload=a.workload)
+                        runs.setdefault((mode, b, k), []).append(r)
+                        print(f"served {r['acceptance']} batch {b:3d} {mode} K={k}: {r['tokens_per_s']:9.1f} tok/s  MAL "
+                              f"{r['mean_acceptance_length']:.2f}  mean k {r['mean_k']:.2f}  ms/round "
+                              f"{r['ms_per_round'].get('round', 0):.2f}", flush=True)
     finally:
-        stop_cluster(proc)
-        if proc is not None:
-            a.gateway = None
+        for proc, _, _ in clusters.values():
+            stop_cluster(proc)
+    rows = []
+    for rs in runs.values():                        # the mean of the repeats, and their spread
+        tps = [r["tokens_per_s"] for r in rs]
+        rows.append({**rs[-1], "tokens_per_s": sum(tps) / len(tps), "tokens_per_s_runs": tps,
+                     "spread": (max(tps) - min(tps)) / (sum(tps) / len(tps))})
     for b in {r["batch"] for r in rows}:
         base = next(r["tokens_per_s"] for r in rows if r["batch"] == b)
         for r in (r for r in rows if r["batch"] == b):
@@ -190,7 +230,7 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
     if a.in_process:
         from tandem.bench_inprocess import run_grid
         inproc = {(r["batch"], r["k"]): r for r in run_grid(model, a, profile)}
-        for r in rows:
+        for r in (r for r in rows if r["speculation"] == "fixed"):
             ip = inproc[(r["batch"], r["k"])]
             base = inproc[(r["batch"], ks[0])]["tokens_per_s"]
             r.update(inprocess_tokens_per_s=ip["tokens_per_s"], inprocess_speedup=ip["tokens_per_s"] / base,
@@ -211,8 +251,8 @@ def add_roofline(rows: list[dict], model: str, a) -> float:
     bw = copy_bandwidth(device, (2048 if device.startswith("cuda") else 64) << 20)
     dtype = DTYPES[a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
     context = a.prompt_tokens + a.max_tokens // 2                       # mean cached positions while decoding
-    for r in rows:
-        r.update(round_floor_ms(model, dtype, r["batch"], r["k"], context, bw))
+    for r in rows:            # adaptive rows: the floor at the nearest whole k to the mean they drafted
+        r.update(round_floor_ms(model, dtype, r["batch"], round(r["mean_k"]) if r.get("speculation") == "adaptive" else r["k"], context, bw))
         r["ideal_tokens_per_s"] = r["batch"] * r["mean_acceptance_length"] / (r["ideal_round_ms"] / 1000)
         r["of_ideal"] = r["tokens_per_s"] / r["ideal_tokens_per_s"]
     if device.startswith("cuda"):
@@ -234,7 +274,8 @@ def main(argv=None) -> int:
     bw = add_roofline(rows, model, a)
     synth = (f"; WARNING: BENCHMARK ONLY synthetic acceptance {' / '.join(profiles)} (drafts accepted at random "
              "after the real forward; outputs are not the model's)" if any(profiles) else "")
-    md = (f"Speed of {model} on {a.device} ({time.strftime('%Y-%m-%d')}), greedy, {a.prompt_tokens}-token prompts, "
+    load = "greedy" if a.workload == "greedy" else "mixed (every other request T=1)"
+    md = (f"Speed of {model} on {a.device} ({time.strftime('%Y-%m-%d')}), {load}, {a.prompt_tokens}-token prompts, "
           f"{a.max_tokens} new tokens, {a.requests_per_batch} x batch requests after one warm-up batch{synth}\n"
           f"`tandem bench speed {' '.join(argv or [])}`\n\n" + table(rows) + "\n\n"
           "ms per round: propose / verify are the RPC walls seen by the gateway; transfer and draft compute are "

@@ -42,7 +42,9 @@ def parse(argv):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=NUM_SPECULATIVE_TOKENS,
-                   help="draft tokens per round (0: plain decoding)")
+                   help="draft tokens per round (0: plain decoding); with --speculation adaptive the cap")
+    p.add_argument("--speculation", default="fixed", choices=["fixed", "adaptive"], help="gateway: fixed K a "
+                   "round, or each request's k chosen each round from live acceptance and measured costs")
     p.add_argument("--device", default="cpu", help="cpu | cuda (target on cuda:0, draft on cuda:1 if present)")
     p.add_argument("--draft-device", default="", help="the draft's device, e.g. cuda:0 to share the target's GPU "
                    "(hidden rows then move by CUDA IPC); default: cuda:1 with --device cuda and two GPUs, else "
@@ -152,6 +154,7 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                      + sp + common, f"127.0.0.1:{a.draft_port}"))
     cmds.append(("gateway", py + ["gateway", *(["--random-config", a.random_config] if a.random_config
                                                 else ["--model", a.model]), "-k", str(a.num_speculative_tokens),
+                                  "--speculation", a.speculation,
                                   "--host", a.host, "--grpc-port", str(a.grpc_port),
                                   "--target-addr", f"127.0.0.1:{a.target_port}",
                                   "--draft-addr", f"127.0.0.1:{a.draft_port}",
@@ -188,7 +191,7 @@ def main(argv=None) -> int:
             print(f"tandem: WARNING: BENCHMARK ONLY --synthetic-acceptance {a.synthetic_acceptance}: drafts are "
                   "accepted at random, the output is not the model's", flush=True)
         what = f"random:{a.random_config} (seed {a.seed})" if a.random_config else a.model
-        print(f"tandem: serving {what} (K={a.num_speculative_tokens}, {a.device})", flush=True)
+        print(f"tandem: serving {what} (K={a.num_speculative_tokens} {a.speculation}, {a.device})", flush=True)
         for name, _, addr in commands(a):
             print(f"  {name:8s} grpc://{addr}", flush=True)
         print(f"  {'REST':8s} {'https' if a.tls.cert else 'http'}://{a.host}:{a.http_port}/v1 (OpenAI-compatible; "

@@ -33,9 +33,10 @@ def engines(target, draft, blocks=512):
 
 def speculate(te: TargetEngine, de: DraftEngine, prompts: dict, k, n: int, sampling=None):
     """The gateway's loop in miniature: prefill, then Propose -> Verify rounds until n tokens each.
-    k: draft tokens per round, one int or a dict per request."""
+    k: draft tokens per round, one int or a dict per request, or a PolicyK (chosen each round)."""
     sampling = sampling or {r: Sampling() for r in prompts}
-    k = k if isinstance(k, dict) else {r: k for r in prompts}
+    policy = k if isinstance(k, PolicyK) else None
+    k = k if isinstance(k, dict) or policy else {r: k for r in prompts}
     first, hidden, _ = te.prefill([(r, p, sampling[r]) for r, p in prompts.items()])
     rows = dict(zip(prompts, hidden.split([len(p) for p in prompts.values()])))
     out = {r: [t] for r, t in zip(prompts, first)}
@@ -43,6 +44,7 @@ def speculate(te: TargetEngine, de: DraftEngine, prompts: dict, k, n: int, sampl
     position = {r: 0 for r in prompts}
     while any(len(o) < n for o in out.values()):
         live = [r for r in prompts if len(out[r]) < n]
+        k = policy.plan(live) if policy else k
         items = [ProposeItem(r, pending[r], k[r], sampling[r], position[r]) for r in live]
         expected = de.expected_rows(items)
         assert all(expected[r] == rows[r].shape[0] for r in live), (expected, {r: rows[r].shape for r in live})
@@ -50,11 +52,44 @@ def speculate(te: TargetEngine, de: DraftEngine, prompts: dict, k, n: int, sampl
         for r in live:
             position[r] += len(pending[r])
         accepted, emitted, hidden, _ = te.verify([(r, d, q) for r, (d, q) in zip(live, proposals)])
+        if policy:
+            policy.observe(live, [len(d) for d, _ in proposals], accepted)
         rows.update(zip(live, hidden.split([a + 1 for a in accepted])))
         for r, toks in zip(live, emitted):
             out[r] += toks
             pending[r] = toks
     return {r: o[:n] for r, o in out.items()}, te, de
+
+
+class PolicyK:
+    """k of each request and round chosen by the gateway's adaptive policy (gateway/adaptive.py), over
+    GenRequest stand-ins of the prompts. Its round cost is given (`cost_per_draft`: a draft token costs
+    that share of a request's verify step), so k follows each request's acceptance so far. The draft
+    engine is fed every request each round (a parked one proposes 0 drafts: in process nothing is saved)."""
+
+    def __init__(self, ids, cap: int, cost_per_draft: float):
+        from gateway.adaptive import START_ROUNDS, AdaptivePolicy
+        from gateway.request import GenRequest
+        from tandem.v1 import rows_pb2
+        self.policy = AdaptivePolicy(cap)
+        self.policy.started = {b: START_ROUNDS for b in range(16)}          # no start-up schedule: costs are given
+        self.policy.costs.round_s = lambda batch, m, rows0, steps: batch + cost_per_draft * m
+        self.reqs = {r: GenRequest(id=r, prompt_ids=[1], max_tokens=1 << 20, k=cap, text=None,
+                                   sampling=rows_pb2.SamplingParams(temperature=1.0)) for r in ids}
+        self.chosen: list[dict] = []
+
+    def plan(self, live) -> dict:
+        batch = [self.reqs[r] for r in live]
+        for g in batch:
+            g.draft.speculate, g.draft.parked = True, False
+        spec = {id(g) for g in self.policy.plan(batch)}
+        self.chosen.append({g.id: g.round_k() if id(g) in spec else 0 for g in batch})
+        return self.chosen[-1]
+
+    def observe(self, live, ks, accepted) -> None:
+        for r, kr, a in zip(live, ks, accepted):
+            self.reqs[r].stats.add(kr, a)
+        self.policy.observe([self.reqs[r] for r in live], {})
 
 
 def test_oracle_drafts_accepted_and_rolled_back():
@@ -126,16 +161,21 @@ def _exact_next(target, prefixes: list[list[int]], sampling: Sampling) -> torch.
     return TargetEngine._probs(logits, [sampling] * n)
 
 
-@pytest.mark.parametrize("top_k", [0, 4])
-def test_speculative_sampling_matches_target_distribution(top_k):
+@pytest.mark.parametrize("top_k, adaptive", [(0, False), (4, False), (0, True), (4, True)])
+def test_speculative_sampling_matches_target_distribution(top_k, adaptive):
+    """Tokens 1-2 jointly and token 3 follow the target alone, with K = 2 or with the adaptive policy's k
+    (0..2 a request and round, chosen from that request's acceptance so far)."""
     V, N = 16, 3000
     target, draft = make_models(vocab=V, head_std=0.6, seed=3)
     s = Sampling(temperature=1.0, top_k=top_k)
     prompt = [1, 2, 3, 4]
     prompts = {f"s{i}": prompt for i in range(N)}
     samp = {r: Sampling(1.0, 0.0, top_k, seed=i) for i, r in enumerate(prompts)}
-    out, te, _ = speculate(*engines(target, draft, blocks=N + 8), prompts, 2, 3, samp)
-    toks = torch.tensor([out[r] for r in prompts])                       # [N, 3]
+    k = PolicyK(prompts, 2, cost_per_draft=0.08) if adaptive else 2
+    out, te, _ = speculate(*engines(target, draft, blocks=N + 8), prompts, k, 4 if adaptive else 3, samp)
+    if adaptive:                          # the policy's k differed between requests after their first round
+        assert len(set(k.chosen[1].values())) >= 2, [sorted(set(ks.values())) for ks in k.chosen]
+    toks = torch.tensor([out[r][:3] for r in prompts])                   # [N, 3]
     p1 = _exact_next(target, [prompt], s)[0]                             # [V]
     p2 = _exact_next(target, [prompt + [a] for a in range(V)], s)        # [V, V]
     joint = (p1[:, None] * p2).flatten()                                 # P(t1, t2)

@@ -1,0 +1,265 @@
+"""Speculation policies: how many draft tokens each request gets in the next round (`--speculation`).
+
+fixed: every request the draft speculates for drafts its K each round (the gateway's -k, or the request's
+num_speculative_tokens), as before this module.
+
+adaptive: each round, every request's k in 0 .. its cap (that K) is chosen to maximise the batch's
+expected committed tokens per second.
+
+- Acceptance. Draft j of request r is accepted with probability p_r(j) = a_r1 ... a_rj, a_ri the
+  conditional acceptance at position i (given i - 1 was accepted). With k drafts a round commits
+  E[n_r(k)] = 1 + sum_{j<=k} p_r(j) tokens (the accepted drafts and the target's own token). a_ri is
+  estimated from the request's rounds (reached / accepted counts at each position, fading by
+  REQUEST_DECAY a round) shrunk towards its class's figure (greedy or sampled: the live counters of all
+  requests of that class, themselves starting from DEFAULT_PRIOR) with PRIOR_WEIGHT pseudo-rounds.
+- Cost. C(k) = gateway + verify_B(B + m) + [m > 0] propose(rows0, max k, m), m = sum of k, B requests:
+  gateway/spec_costs.py, fitted to the measured phase times of past rounds.
+- Choice. Maximise R(k) = sum_r E[n_r(k_r)] / C(k). Since p_r(j) falls with j, request r's next draft
+  is worth p_r(k_r + 1) tokens and one order serves the whole batch: sort every (r, j) by p_r(j) and
+  let k(m) take the first m of them. Along that path N(m) = B + (the m largest gains) grows by ever
+  smaller steps while C(m) grows by about the price of a token (plus an MTP step at each new depth, plus
+  the Propose itself at m = 1); the policy evaluates R at every m (O(M log M), M = sum of caps) and
+  keeps the best, so a fixed cost is paid only when enough gain follows it. A draft token is worth
+  taking while p > R * dC/dm: at a batch where a verify token is nearly free, deep drafts of likely
+  requests pay; at batch 1 on a machine where a draft step costs half a verify, none may.
+  Requests with the same estimates get the same k (ties go to the shallower draft first).
+- Zero. A request at k = 0 while others draft still goes to the draft with 0 drafts (it catches up on
+  its committed tokens, so it may draft next round); every SYNC_PROBE rounds it is probed with k = 1.
+  When no request drafts, the round skips the Propose and its requests are parked (DraftState.park):
+  they decode at the cost of K = 0. Every reprobe interval the longest-parked request is woken: it is
+  re-synced (gateway/resync.py) and probed with k = 1. The interval is `--adaptive-reprobe-rounds`,
+  or by default as often as PROBE_BUDGET of the round time allows at the measured cost of a re-sync.
+- Start-up. The first START_ROUNDS speculating rounds of each batch bucket draft the cap and 1 token
+  in turn, so the cost fits see two verify sizes and two draft depths before the policy decides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.request import GenRequest
+from gateway.spec_costs import CostModel, bucket
+
+DEFAULT_PRIOR = (0.8, 0.7, 0.6)   # conditional acceptance by position before any round (the last repeats)
+CLASS_WEIGHT = 2.0                # pseudo-rounds of DEFAULT_PRIOR in a class's figure
+PRIOR_WEIGHT = 3.0                # pseudo-rounds of its class's figure in a request's estimate
+REQUEST_DECAY = 0.9               # a request's evidence fades by this each round it drafts
+CLASS_DECAY = 0.998               # a class's, each request-round that drafts
+SYNC_PROBE = 8                    # rounds a request stays at k = 0 beside drafting ones before a k = 1 probe
+START_ROUNDS = 4                  # speculating rounds per batch bucket that alternate cap / 1 drafts
+PROBE_BUDGET = 0.01               # default re-probing of parked requests: this share of the round time
+MIN_REPROBE = 16                  # rounds, at least, between two wakes (default interval)
+
+
+class Acceptance:
+    """Decayed counts of draft positions reached and accepted (position 0 = the first draft)."""
+
+    def __init__(self, decay: float):
+        self.decay, self.reached, self.accepted = decay, [], []
+
+    def add(self, k: int, accepted: int) -> None:
+        """A round of k drafts accepted `accepted`: positions 0..min(accepted, k - 1) were reached."""
+        grow = k - len(self.reached)
+        if grow > 0:
+            self.reached += [0.0] * grow
+            self.accepted += [0.0] * grow
+        for i in range(len(self.reached)):
+            self.reached[i] *= self.decay
+            self.accepted[i] *= self.decay
+        for i in range(min(accepted + 1, k)):
+            self.reached[i] += 1
+        for i in range(min(accepted, k)):
+            self.accepted[i] += 1
+
+    def rate(self, i: int, prior: float, weight: float) -> float:
+        if i >= len(self.reached):
+            return prior
+        return (self.accepted[i] + weight * prior) / (self.reached[i] + weight)
+
+
+@dataclass
+class RequestState:
+    """The adaptive policy's view of one request (GenRequest.policy_state)."""
+    acc: Acceptance
+    greedy: bool
+    seen: tuple[int, int] = (0, 0)   # r.stats (num_draft_tokens, num_accepted_tokens) at the last round
+    idle: int = 0                    # rounds at k = 0 while synced
+    parked_at: int = 0               # the round it was last parked
+    probing: bool = False            # woken for a probe: k >= 1 in its next speculating round
+
+
+class FixedPolicy:
+    """Each speculating request drafts its own K (GenRequest.round_k); also the counters both export."""
+    name = "fixed"
+
+    def __init__(self, cap: int = 0):
+        self.cap = cap
+        self.k_counts = [0] * (cap + 1)     # request-rounds by the k they drafted (tandem:spec_decode_chosen_k)
+        self.parks = self.wakes = 0
+
+    def plan(self, batch: list[GenRequest]) -> list[GenRequest]:
+        """Before a round: the requests to send to the draft (their k: r.round_k())."""
+        spec = [r for r in batch if r.draft.speculate]
+        self.count(batch, spec)
+        return spec
+
+    def observe(self, batch: list[GenRequest], split: dict[str, float]) -> None:
+        """After a round: its requests (r.stats counted their drafts) and its split (seconds by phase)."""
+
+    def resynced(self, tokens: int, seconds: float) -> None:
+        """A re-sync (gateway/resync.py) recomputed `tokens` committed tokens in `seconds`."""
+
+    def count(self, batch: list[GenRequest], spec: list[GenRequest]) -> None:
+        ids = {id(r) for r in spec}
+        for r in batch:
+            k = r.round_k() if id(r) in ids else 0
+            if k >= len(self.k_counts):
+                self.k_counts += [0] * (k + 1 - len(self.k_counts))
+            self.k_counts[k] += 1
+
+    def estimate(self, r: GenRequest) -> list[float]:
+        """r's conditional acceptance by position (as measured; the adaptive policy: as it estimates it)."""
+        s, out, reached = r.stats, [], r.stats.num_drafts
+        for a in s.accepted_per_position:
+            if reached <= 0:
+                break
+            out.append(a / reached)
+            reached = a
+        return out
+
+
+class AdaptivePolicy(FixedPolicy):
+    """Per request and round k chosen from live acceptance estimates and measured costs (module docstring)."""
+    name = "adaptive"
+
+    def __init__(self, cap: int, reprobe_rounds: int = 0):
+        super().__init__(cap)
+        self.reprobe_rounds = reprobe_rounds            # 0: from PROBE_BUDGET and the measured costs
+        self.costs = CostModel()
+        self.classes = {True: Acceptance(CLASS_DECAY), False: Acceptance(CLASS_DECAY)}   # greedy -> counts
+        self.round = 0
+        self.next_wake = 0
+        self.started: dict[int, int] = {}               # batch bucket -> start-up rounds run
+        self._last: tuple | None = None                 # the plan of the round in flight
+
+    def state(self, r: GenRequest) -> RequestState:
+        if r.policy_state is None:
+            r.policy_state = RequestState(Acceptance(REQUEST_DECAY), r.sampling.temperature == 0)
+        return r.policy_state
+
+    def class_rate(self, greedy: bool, i: int) -> float:
+        return self.classes[greedy].rate(i, DEFAULT_PRIOR[min(i, len(DEFAULT_PRIOR) - 1)], CLASS_WEIGHT)
+
+    def gains(self, r: GenRequest, cap: int) -> list[float]:
+        """p_r(1..cap): the probability that each draft position is accepted."""
+        st, out, p = self.state(r), [], 1.0
+        for i in range(cap):
+            p *= st.acc.rate(i, self.class_rate(st.greedy, i), PRIOR_WEIGHT)
+            out.append(p)
+        return out
+
+    def estimate(self, r: GenRequest) -> list[float]:
+        st = r.policy_state
+        if st is None or not st.acc.reached:
+            return []
+        return [st.acc.rate(i, self.class_rate(st.greedy, i), PRIOR_WEIGHT) for i in range(len(st.acc.reached))]
+
+    # --- the round ------------------------------------------------------------------------------------
+    def plan(self, batch: list[GenRequest]) -> list[GenRequest]:
+        self.round += 1
+        self._wake(batch)
+        synced = [r for r in batch if r.draft.speculate]
+        caps = [r.round_k(r.k) for r in synced]
+        rows0 = sum(len(r.draft.pending) for r in synced)
+        ks = self.choose(batch, synced, caps, rows0) if synced else []
+        spec = synced if any(ks) else []
+        for r, k in zip(synced, ks):
+            st = self.state(r)
+            r.round_cap, st.idle = k, 0 if k else st.idle + 1
+            if not spec:                     # no Propose this round: the draft falls behind on them
+                r.draft.park()
+                st.parked_at = self.round
+                self.parks += 1
+                self.next_wake = self.next_wake or self.round + self._interval(r, len(batch))
+        self._last = (len(batch), rows0, max(ks, default=0), sum(ks)) if spec else (len(batch), 0, 0, 0)
+        self.count(batch, spec)
+        return spec
+
+    def choose(self, batch: list[GenRequest], synced: list[GenRequest], caps: list[int], rows0: int) -> list[int]:
+        """k of each synced request: the start-up schedule, else the best point of the gain path."""
+        n = self.started.get(bucket(len(batch)), 0)
+        if n < START_ROUNDS and any(caps):
+            self.started[bucket(len(batch))] = n + 1
+            return [min(c, self.cap if n % 2 == 0 else 1) for c in caps]
+        forced = []
+        for r, c in zip(synced, caps):
+            st = self.state(r)
+            forced.append(1 if c > 0 and (st.probing or st.idle >= SYNC_PROBE) else 0)
+        gains = [self.gains(r, c) for r, c in zip(synced, caps)]
+        return best_path(gains, forced, len(batch), rows0, self.costs)
+
+    def observe(self, batch: list[GenRequest], split: dict[str, float]) -> None:
+        drafted = 0
+        for r in batch:
+            st = r.policy_state
+            if st is None:
+                continue
+            d = r.stats.num_draft_tokens - st.seen[0]
+            a = r.stats.num_accepted_tokens - st.seen[1]
+            st.seen = (r.stats.num_draft_tokens, r.stats.num_accepted_tokens)
+            if d > 0:
+                st.acc.add(d, a)
+                self.classes[st.greedy].add(d, a)
+                st.probing = False
+                drafted += d
+        if self._last is None:
+            return
+        batch_size, rows0, steps, planned = self._last
+        self._last = None
+        self.costs.observe_round(batch_size, batch_size + drafted, split,
+                                 (rows0, steps, planned) if planned and drafted == planned else None)
+
+    def resynced(self, tokens: int, seconds: float) -> None:
+        self.costs.observe_resync(tokens, seconds)
+
+    # --- parked requests ------------------------------------------------------------------------------
+    def _wake(self, batch: list[GenRequest]) -> None:
+        """Every reprobe interval, wake the longest-parked request: re-synced next step, then probed."""
+        if not self.next_wake or self.round < self.next_wake:
+            return
+        parked = [r for r in batch if r.draft.parked]
+        if not parked:
+            self.next_wake = 0
+            return
+        r = min(parked, key=lambda r: self.state(r).parked_at)
+        r.draft.wake()
+        self.state(r).probing = True
+        self.wakes += 1
+        self.next_wake = self.round + self._interval(r, len(batch))
+
+    def _interval(self, r: GenRequest, batch: int) -> int:
+        """Rounds until the next wake: the flag's, or what PROBE_BUDGET of the round time pays for."""
+        if self.reprobe_rounds:
+            return self.reprobe_rounds
+        probe = self.costs.probe_s(len(r.prompt_ids) + len(r.output_ids))
+        round_s = self.costs.round_s(batch, 0, 0, 0)
+        if round_s <= 0:
+            return MIN_REPROBE
+        return int(min(1 << 20, max(MIN_REPROBE, probe / (PROBE_BUDGET * round_s))))
+
+
+def best_path(gains: list[list[float]], forced: list[int], batch: int, rows0: int, costs: CostModel) -> list[int]:
+    """gains[i][j]: probability that draft j + 1 of request i is accepted (falling in j); forced[i]: its
+    least k. -> k of each request at the best point of the gain path (module docstring)."""
+    ks = list(forced)
+    tokens = batch + sum(sum(g[:f]) for g, f in zip(gains, forced))
+    m, steps = sum(ks), max(ks, default=0)
+    rest = sorted((-g, j, i) for i, gs in enumerate(gains) for j, g in enumerate(gs) if j >= forced[i])
+    best_rate, best_m = tokens / max(costs.round_s(batch, m, rows0, steps), 1e-9), 0
+    for n, (neg, j, _) in enumerate(rest, 1):
+        tokens, m, steps = tokens - neg, m + 1, max(steps, j + 1)
+        rate = tokens / max(costs.round_s(batch, m, rows0, steps), 1e-9)
+        if rate > best_rate:
+            best_rate, best_m = rate, n
+    for _, j, i in rest[:best_m]:
+        ks[i] = max(ks[i], j + 1)
+    return ks

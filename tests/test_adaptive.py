@@ -1,0 +1,149 @@
+"""The adaptive speculation policy (gateway/adaptive.py) and its cost model (gateway/spec_costs.py), driven
+by a simulated batch: real GenRequest and DraftState objects, the policy's plan / observe hooks called as
+the scheduler calls them, acceptance drawn from per-position profiles and phase times from a cost function.
+Also the flags' validation."""
+import random
+
+import pytest
+
+from gateway.adaptive import SYNC_PROBE, AdaptivePolicy, FixedPolicy, best_path
+from gateway.request import GenRequest
+from gateway.spec_costs import CostModel, Fit
+from tandem.v1 import rows_pb2
+
+CHEAP = dict(v0=0.006, vb=0.0003, ve=0.0001, p0=0.0005, p1=1e-6, p2=0.0002, p3=1e-5)      # verify and drafts cheap
+DEAR = dict(v0=0.004, vb=0.0014, ve=0.0013, p0=0.0015, p1=3e-4, p2=0.0034, p3=1e-4)       # a CPU: a draft step ~ half a verify
+
+
+def request(i: int, k: int, temperature: float = 0.0) -> GenRequest:
+    r = GenRequest(id=f"r{i}", prompt_ids=list(range(3, 35)), max_tokens=1 << 20,
+                   sampling=rows_pb2.SamplingParams(temperature=temperature), text=None, k=k)
+    r.draft.prefilled(list(range(3, 36)), None, speculate=True, wants_drafts=True)
+    return r
+
+
+def simulate(policy, reqs, profiles, cost, rounds, seed=0):
+    """-> per round {request id: k drafted}. Stale requests are re-synced first, as Scheduler.step does."""
+    rng, log = random.Random(seed), []
+    for _ in range(rounds):
+        for r in reqs:
+            if r.draft.stale:
+                n = len(r.prompt_ids) + len(r.output_ids)
+                policy.resynced(n, 2e-4 * n)
+                r.draft.resynced(list(r.prompt_ids) + list(r.output_ids), None)
+        spec = policy.plan(reqs)
+        ks = {r.id: r.round_k() for r in spec}
+        rows0, m, batch = sum(len(r.draft.pending) for r in spec), sum(ks.values()), len(reqs)
+        split = {"verify": cost["v0"] + cost["vb"] * batch + cost["ve"] * m, "gateway": 1e-4,
+                 "propose": cost["p0"] + cost["p1"] * rows0 + cost["p2"] * max(ks.values(), default=0)
+                 + cost["p3"] * m if spec else 0.0}
+        for r in reqs:
+            k, a, prof = ks.get(r.id, 0), 0, profiles[r.id]
+            while a < k and rng.random() < prof[min(a, len(prof) - 1)]:
+                a += 1
+            r.stats.add(k, a)
+            if r in spec:
+                r.draft.proposed()
+            r.output_ids += [5] * (a + 1)
+            r.draft.verified([5] * (a + 1), None)
+        policy.observe(reqs, split)
+        log.append(ks)
+    return log
+
+
+def mean_k(log, ids, start):
+    rounds = log[start:]
+    return sum(d.get(i, 0) for d in rounds for i in ids) / (len(rounds) * len(ids))
+
+
+def test_failing_drafts_drop_to_zero_park_and_are_reprobed():
+    policy = AdaptivePolicy(4, reprobe_rounds=10)
+    reqs = [request(i, 4) for i in range(4)]
+    log = simulate(policy, reqs, {r.id: [0.0] for r in reqs}, CHEAP, 120)
+    assert mean_k(log, [r.id for r in reqs], 40) < 0.1
+    assert sum(1 for d in log[40:] if d) <= 12, "rounds with a Propose after the requests were parked"
+    assert policy.parks >= 4 and policy.wakes >= 6
+    # each wake: re-synced, then one round with exactly one draft for that request, then parked again
+    probes = [d for d in log[40:] if d]
+    assert probes and all(sorted(d.values()) == [1] for d in probes), probes
+    assert all(not r.draft.speculate and r.draft.parked or r.draft.stale for r in reqs)
+    assert all(policy.estimate(r)[0] < 0.3 for r in reqs)
+
+
+def test_high_acceptance_and_cheap_verify_draft_deep_dear_drafts_do_not():
+    ids = [f"r{i}" for i in range(8)]
+    cheap = simulate(AdaptivePolicy(4), [request(i, 4) for i in range(8)], {i: [0.95] for i in ids}, CHEAP, 80)
+    assert mean_k(cheap, ids, 20) > 3.5
+    dear = simulate(AdaptivePolicy(4), [request(i, 4) for i in range(8)], {i: [0.95] for i in ids}, DEAR, 80)
+    assert mean_k(dear, ids, 20) < 0.5
+    low = simulate(AdaptivePolicy(4), [request(i, 4) for i in range(8)], {i: [0.5] for i in ids}, CHEAP, 80)
+    assert 0.5 < mean_k(low, ids, 20) < mean_k(cheap, ids, 20) - 1
+
+
+def test_requests_that_accept_more_draft_more():
+    reqs = [request(i, 4, temperature=float(i % 2)) for i in range(8)]
+    profiles = {r.id: [0.95] if i % 2 == 0 else [0.15] for i, r in enumerate(reqs)}
+    log = simulate(AdaptivePolicy(4), reqs, profiles, CHEAP, 100)
+    good, bad = [r.id for r in reqs[0::2]], [r.id for r in reqs[1::2]]
+    assert mean_k(log, good, 30) > 3 and mean_k(log, bad, 30) < 1.5
+    # k = 0 beside drafting requests: still synced, probed with one draft every SYNC_PROBE rounds at least
+    for rid in bad:
+        idle = 0
+        for d in log[30:]:
+            idle = idle + 1 if d.get(rid, 0) == 0 else 0
+            assert idle <= SYNC_PROBE + 1, rid
+
+
+def test_per_request_caps_hold():
+    reqs = [request(0, 1), request(1, 2), request(2, 4), request(3, 0)]
+    reqs[3].draft.prefilled([1, 2], None, speculate=False, wants_drafts=False)     # asked for 0 drafts
+    log = simulate(AdaptivePolicy(4), reqs, {r.id: [1.0] for r in reqs}, CHEAP, 40)
+    for r in reqs:
+        assert max(d.get(r.id, 0) for d in log) == r.k, r.id
+    assert "r3" not in {i for d in log for i in d}
+
+
+def test_fixed_policy_keeps_each_request_at_its_k():
+    reqs = [request(0, 3), request(1, 1)]
+    policy = FixedPolicy(3)
+    log = simulate(policy, reqs, {r.id: [0.0] for r in reqs}, DEAR, 20)
+    assert all(d == {"r0": 3, "r1": 1} for d in log) and policy.parks == 0
+    assert policy.k_counts == [0, 20, 0, 20]
+
+
+def test_best_path_pays_a_fixed_cost_only_when_enough_gain_follows():
+    costs = CostModel()
+    for t in (8, 40, 8, 40):
+        costs.observe_round(8, t, {"verify": 0.010 + 0.0001 * t}, None)
+    for rows0, steps, m in ((8, 4, 32), (8, 1, 8), (30, 4, 32), (30, 1, 8), (8, 2, 16)):
+        costs.observe_round(8, 8 + m, {"propose": 0.005 + 0.001 * steps + 1e-5 * rows0}, (rows0, steps, m))
+    assert costs.verify_s(8, 24) == pytest.approx(0.0124, rel=0.02)
+    assert costs.propose_s(8, 3, 24) == pytest.approx(0.008, rel=0.05)
+    # one tempting draft alone does not pay for a Propose; eight of them do
+    assert best_path([[0.9]] + [[0.0]] * 7, [0] * 8, 8, 8, costs) == [0] * 8
+    assert best_path([[0.9]] * 8, [0] * 8, 8, 8, costs) == [1] * 8
+    # equal requests get equal k; a forced probe is kept
+    assert best_path([[0.9, 0.8, 0.1]] * 8, [0] * 7 + [1], 8, 8, costs) == [2] * 8
+    assert best_path([[0.01]] * 8, [1] + [0] * 7, 8, 8, costs) == [1] + [0] * 7
+
+
+def test_fit_keeps_a_slope_it_cannot_see_now():
+    fit = Fit([0.0, 0.0], [1.0, 4.0], informed=False)
+    for t in (1, 5) * 5:
+        fit.add([1.0, t], 0.006 + 0.0004 * t)
+    for i in range(100):        # then only T = 1 while the context grows: the slope stays, the intercept follows
+        fit.add([1.0, 1.0], 0.0064 + 2e-5 * i)
+    assert fit.theta[1] == pytest.approx(0.0004, rel=0.2)
+    assert fit.predict([1.0, 1.0]) == pytest.approx(0.0064 + 2e-5 * 99, rel=0.1)     # about 30 rounds behind
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--speculation", "sometimes"], "--speculation must be one of ['fixed', 'adaptive'], got 'sometimes'"),
+    (["--adaptive-reprobe-rounds", "-2"], "--adaptive-reprobe-rounds must be >= 0 (0: automatic), got -2"),
+    (["-k", "17", "--speculation", "adaptive"], "--num-speculative-tokens must be in [0, 16], got 17")])
+def test_flags_are_checked_by_name(args, message):
+    from gateway.config import parse
+    with pytest.raises(SystemExit) as e:
+        parse(["--random-config", "tiny"] + args)
+    assert str(e.value) == message
+    assert parse(["--random-config", "tiny", "--speculation", "adaptive", "-k", "4"]).speculation == "adaptive"

@@ -1,0 +1,52 @@
+"""The adaptive speculation policy served by real processes (target, draft, gateway with `--speculation
+adaptive`): greedy output is token for token the output of K = 0, while the policy varies k between
+requests and rounds, parks requests (no Propose) and wakes them (re-sync, probe) every 3 rounds."""
+import random
+import urllib.request
+
+import pytest
+
+from cluster import Cluster, make_checkpoint
+from tandem.v1 import generate_pb2 as gen
+
+pytestmark = pytest.mark.slow
+K, VOCAB = 3, 512
+
+
+def scrape(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return {s.name + (f"{{le={s.labels['le']}}}" if "le" in s.labels else ""): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith(("tandem:spec_decode_chosen_k", "tandem:spec_decode_parked", "tandem:spec_decode_reprobes",
+                                  "tandem:spec_decode_request_acceptance_count"))}
+
+
+def test_adaptive_greedy_equals_k0(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "tiny", seed=7)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(1 + (i * 13) % 30)] for i in range(24)]
+    with Cluster(ckpt, k=K, log_dir=tmp_path / "logs",
+                 gateways=[{"args": ["--speculation", "adaptive", "--adaptive-reprobe-rounds", "3"]}]) as c:
+        g = c.gateways[0]
+        calls = [(p, k) for p in prompts for k in (0, None)]          # None: the gateway's cap
+        futures = [g.stub.Generate.future(gen.GenerateRequest(token_ids=gen.TokenIds(ids=p), max_tokens=40,
+                                                              ignore_eos=True, **({} if k is None else
+                                                                                  {"num_speculative_tokens": k})),
+                                          timeout=300) for p, k in calls]
+        out = [f.result() for f in futures]
+        m = scrape(g.http_url)
+    for i, p in enumerate(prompts):
+        plain, adaptive = out[2 * i], out[2 * i + 1]
+        assert list(adaptive.token_ids) == list(plain.token_ids), f"prompt {i}: adaptive output differs from K=0"
+        assert len(plain.token_ids) == 40 and plain.spec_stats.num_drafts == 0
+        s = adaptive.spec_stats
+        assert s.num_draft_tokens <= K * s.num_drafts and len(s.accepted_per_position) <= K
+    drafted = sum(r.spec_stats.num_drafts for r in out)
+    assert drafted > 0, "the adaptive gateway never drafted"
+    # k varied: rounds at 0 (K = 0 requests, parked ones) and at two or more other values up to the cap
+    per_k = [m[f"tandem:spec_decode_chosen_k_bucket{{le={float(k)}}}"] for k in range(K + 1)]
+    counts = [per_k[0]] + [b - a for a, b in zip(per_k, per_k[1:])]
+    assert counts[0] > 0 and sum(1 for n in counts[1:] if n > 0) >= 2, counts
+    assert m["tandem:spec_decode_parked_total"] > 0 and m["tandem:spec_decode_reprobes_total"] > 0, m
+    assert m['tandem:spec_decode_request_acceptance_count'] > 0
