@@ -25,7 +25,7 @@ from kernels import norm as _ref_norm
 from kernels import router as _ref_router
 from kernels import rows as _ref_rows
 from kernels import speculative as _ref_spec
-from kernels.speculative import sampling_probs  # noqa: F401  (no Triton kernel: always the reference)
+from kernels.speculative import argmax_rows, sampling_probs  # noqa: F401  (no Triton kernel: always the reference)
 
 __all__ = ["sampling_probs", "rms_norm", "rotary", "route", "greedy_verify", "rejection_sample", "pad_rows",
            "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla", "paged_attention", "moe_path", "chain_verifier",

@@ -76,3 +76,16 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft_ids: torch.Tensor, 
     drafts = torch.cat([draft_ids, draft_ids.new_zeros(B, 1)], 1)                 # [B, K+1] (K = 0 too)
     emitted = torch.where(pos[None, :] < accepted[:, None], drafts, last[:, None])
     return accepted, emitted.masked_fill(pos[None, :] > accepted[:, None], -1)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, V] -> [M] int64, each row's first maximal index (as torch.argmax), in two stages so that a few long
+    rows (a decode step's logits) spread over the GPU: the max of each of C chunks, then across the chunks.
+    (torch.argmax reduces a row in one thread block: 22 us for one 102400-wide row on an H200.)"""
+    M, V = x.shape
+    C = next((c for c in (128, 100, 64, 50, 32, 25, 16, 10, 8) if V % c == 0 and V // c >= 256), 0)
+    if not C:
+        return x.argmax(-1)
+    vals, idx = x.reshape(M, C, V // C).max(-1)                                  # [M, C]
+    c = vals.argmax(-1)                                                          # [M] first chunk with the max
+    return c * (V // C) + idx.gather(1, c[:, None]).squeeze(1)

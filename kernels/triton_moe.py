@@ -164,5 +164,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
 
 def moe_tiles(pairs: int, num_local: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
     """(BLOCK_N, BLOCK_K, warps, stages) of the gate/up and the down kernel, from shapes only (a captured
-    batch keeps its tiles)."""
-    return (64, 64, 4, 3), (64, 64, 4, 3)
+    batch keeps its tiles). Measured on an H200 at DeepSeek-V2-Lite's shapes (64 experts of 1408, top-6;
+    .gpu sweep of 2026-12-01, BENCHMARKS.md): few pairs want narrow column tiles and deep K tiles (more
+    programs and more bytes in flight per expert), many pairs wider ones. Was (64, 64, 4, 3) for both."""
+    if pairs <= 8:                                   # one or two tokens
+        return (32, 128, 4, 5), (32, 128, 4, 5)
+    if pairs < 512:
+        return (32, 128, 4, 3 if pairs > 64 else 5), (64, 128, 4, 3)
+    return (64, 128, 4, 3), (128, 128, 4, 3)

@@ -41,7 +41,7 @@ def build_engine(engine_cls, model_cls, model: str, device: str, dtype: torch.dt
         from models import cuda_graphs
         with on_device(torch.device(device)):      # capture and Triton launches on the engine's own GPU
             cuda_graphs.enable(engine, extra_rows=engine_cls.graph_row_inputs, warmup_batch=graph_batch)
-            engine.graphs_enabled()
+            engine.graphs_enabled(graph_batch)
     return engine
 
 

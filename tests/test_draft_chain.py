@@ -124,3 +124,15 @@ def test_chain_graph_equals_loop_on_gpu(sampled):
         if chained:
             assert de.chain.replays > 0
     assert outs[1] == outs[0]
+
+
+def test_two_stage_argmax_equals_argmax():
+    """kernels.speculative.argmax_rows: the first maximal index of each row, ties included."""
+    from kernels.speculative import argmax_rows
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 102400, generator=g)
+    x[1, 777] = x[1, 90001] = 50.0                   # a tie across chunks: the first wins
+    x[2, 5] = x[2, 6] = 60.0                         # a tie inside a chunk
+    x[3] = 0.0                                       # all equal: index 0
+    assert torch.equal(argmax_rows(x), x.argmax(-1)) and int(argmax_rows(x)[1]) == 777
+    assert torch.equal(argmax_rows(x[:, :1000]), x[:, :1000].argmax(-1))      # short rows: one stage

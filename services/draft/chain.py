@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket
-from kernels.dispatch import sampling_probs
+from kernels.dispatch import argmax_rows, sampling_probs
 from models.kv_cache import AttentionBatch, CacheFullError, PagedKVCache
 from services.draft.noise import choose, draw_keys
 from services.sampling import Sampling
@@ -80,6 +80,14 @@ class DraftChain:
         toks = self.model.ps.decide(toks[:B].cpu()).tolist()           # the round's one host sync
         self.runs += 1
         return [row[:k] for row, k in zip(toks, ks)], (None if q is None else q[:B].cpu())
+
+    def warmup(self, max_batch: int, ks) -> int:
+        """Capture the greedy chains of k_max in ks for every batch bucket <= max_batch now."""
+        keys = [(bp, k, False) for bp in BATCH_BUCKETS if bp <= max_batch for k in ks if k <= self.max_k]
+        for key in keys:
+            if key not in self.compiled:
+                self.compiled[key] = self._build(*key)
+        return len(keys)
 
     # --- buffers -------------------------------------------------------------------------------
     def _static(self, bp: int, k_max: int, sampled: bool) -> dict:
@@ -149,7 +157,7 @@ class DraftChain:
                 tok = choose(q, draw_keys(st["seeds"], st["draws"] + s))
                 qs.append(q)
             else:
-                tok = logits.argmax(-1)                                        # [bp]
+                tok = argmax_rows(logits)                                      # [bp]
             out.append(tok)
             if s < k_max - 1:
                 h = self.model(tok, h, st["batches"][s], self.cache, step=(s + 1) % layers)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import sampling_probs
+from kernels.dispatch import argmax_rows, sampling_probs
 from models.kv_cache import CacheFullError, PagedKVCache
 from infra.defaults import MAX_DRAFT_TOKENS
 from infra.errors import ServiceError
@@ -40,10 +40,12 @@ class DraftEngine:
         self.sampling: dict[str, Sampling] = {}
         self.noise: dict[str, list[int]] = {}     # sampled requests: [seed, draws so far] (services/draft/noise.py)
 
-    def graphs_enabled(self) -> None:
-        """CUDA graphs are on (services/launch.py): greedy rounds draft steps 2..k in one replay as well."""
+    def graphs_enabled(self, warmup_batch: int = 0) -> None:
+        """CUDA graphs are on (services/launch.py): a round's steps 2..k run as one replay too (chain.py),
+        captured now for greedy rounds of up to 4 drafts and batches up to warmup_batch (others on first use)."""
         from services.draft.chain import DraftChain
         self.chain = DraftChain(self.model, self.cache, self.max_model_len, MAX_DRAFT_TOKENS, graphs=True)
+        self.chain.warmup(warmup_batch, ks=(1, 2, 3, 4))
 
     def expected_rows(self, items: list[ProposeItem]) -> dict[str, int]:
         """Rows each item must bring: one per new token; a new request's first token has none.
@@ -155,7 +157,7 @@ class DraftEngine:
         samplings = [self.sampling[r] for r in ids]
         logits = self.model.compute_logits(hidden)
         if all(s.greedy for s in samplings):
-            return [(int(t), None) for t in self.model.ps.decide(logits.argmax(-1).cpu()).tolist()]
+            return [(int(t), None) for t in self.model.ps.decide(argmax_rows(logits).cpu()).tolist()]
         dev = logits.device
         q = sampling_probs(logits, torch.tensor([s.temperature for s in samplings], device=dev),
                            torch.tensor([s.top_k for s in samplings], device=dev),

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import flashinfer_sampling
-from kernels.dispatch import chain_verifier, greedy_verify, rejection_sample, sampling_probs
+from kernels.dispatch import argmax_rows, chain_verifier, greedy_verify, rejection_sample, sampling_probs
 from models.kv_cache import CacheFullError, PagedKVCache
 from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
@@ -57,7 +57,7 @@ class TargetEngine:
     graph_row_inputs = 0                     # CUDA graphs: tokens only
     synthetic_acceptance: tuple[float, ...] | None = None   # BENCHMARK ONLY: services/target/synthetic.py
 
-    def graphs_enabled(self) -> None:
+    def graphs_enabled(self, warmup_batch: int = 0) -> None:
         """CUDA graphs are on (services/launch.py): nothing more to set up here."""
 
     def __init__(self, model, cache: PagedKVCache, max_model_len: int):
@@ -156,7 +156,7 @@ class TargetEngine:
         hidden = self._forward(seqs)                                            # [N, D], N = sum(k + 1)
         logits = self.model.compute_logits(hidden)                               # [N, V]
         if all(r.sampling.greedy for r in reqs):
-            accepted, emitted = greedy_verify(logits.argmax(-1)[idx], drafts, k_dev)     # [B, K+1]
+            accepted, emitted = greedy_verify(argmax_rows(logits)[idx], drafts, k_dev)     # [B, K+1]
         else:
             p = self._probs(logits, [r.sampling for (_, d, _), r in zip(items, reqs) for _ in range(len(d) + 1)])
             p = p[idx] * valid.to(dev)[..., None]                                    # [B, K+1, V]
@@ -177,7 +177,7 @@ class TargetEngine:
         both = torch.cat([accepted.view(B, 1).to(emitted.dtype), emitted], 1).cpu()     # the one device-to-host copy
         accepted, emitted = both[:, 0].to(accepted.dtype), both[:, 1:]
         if self.synthetic_acceptance is not None:          # BENCHMARK ONLY: after the real forward and check
-            accepted, emitted = synthetic_accept(logits.argmax(-1)[idx], drafts, k, self.synthetic_acceptance,
+            accepted, emitted = synthetic_accept(argmax_rows(logits)[idx], drafts, k, self.synthetic_acceptance,
                                                  [r.generator for r in reqs])
         accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides
         out_tokens, keep_rows = [], []
