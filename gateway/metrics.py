@@ -170,6 +170,7 @@ class _Collector:
                 used.add_metric(lab + [name], info.kv_blocks_total - info.kv_blocks_free)
                 free.add_metric(lab + [name], info.kv_blocks_free)
         yield from (used, free, up)
+        yield from _prefix_cache(m.info, lab)
         g = GaugeMetricFamily("tandem:hidden_transport_info", "1 for the transport hidden rows take now "
                               "(bridge:gloo|nccl|ipc, inline, none)", labels=["model_name", "transport"])
         g.add_metric(lab + [hidden_transport(s, m.info)], 1)
@@ -186,6 +187,17 @@ def hidden_transport(s, info: dict) -> str:
     if s.transport == rows_pb2.TRANSPORT_INLINE or isinstance(t, str) or t is None or not t.hidden_transport:
         return "inline"
     return f"bridge:{t.hidden_transport}"
+
+
+def _prefix_cache(info: dict, lab: list[str]):
+    """vLLM's prefix-cache counters (tokens) of each service that has prefix caching on (its last GetInfo)."""
+    for name, doc in (("queries", "Prompt tokens looked up in the prefix cache"),
+                      ("hits", "Prompt tokens found in the prefix cache")):
+        c = CounterMetricFamily(f"tandem:prefix_cache_{name}", doc, labels=["model_name", "service"])
+        for service, i in info.items():
+            if not isinstance(i, str) and i.prefix_caching:
+                c.add_metric(lab + [service], getattr(i, f"prefix_cache_{name}"))
+        yield c
 
 
 def _availability(av, lab: list[str]):

@@ -34,8 +34,9 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[
 
 class Prefilled(NamedTuple):
     first: list[int]                  # the first sampled token of each item
-    hidden: torch.Tensor              # final-norm rows of every prompt position [sum T, D]
+    hidden: torch.Tensor              # final-norm rows of the prompt positions computed [sum T - cached, D]
     logprobs: list | None = None      # per item {"prompt": [T-1 entries], "first": entry or None}, if asked
+    cached: list[int] | None = None   # per item: prompt positions found in the prefix cache (no rows for them)
 
 
 class Verified(NamedTuple):
@@ -51,10 +52,12 @@ class _Request:
     num_tokens: int
     sampling: Sampling
     generator: torch.Generator
+    tokens: list[int]                 # every token so far (the pending one last): names its full blocks
 
 
 class TargetEngine:
     graph_row_inputs = 0                     # CUDA graphs: tokens only
+    prefix_shift = 0                         # prefix caching: block j is decided by tokens[0 : (j+1)*bs]
     synthetic_acceptance: tuple[float, ...] | None = None   # BENCHMARK ONLY: services/target/synthetic.py
 
     def __init__(self, model, cache: PagedKVCache, max_model_len: int):
@@ -84,24 +87,24 @@ class TargetEngine:
                 raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: prompt has {len(prompt)} tokens, "
                                                        f"max_model_len is {self.max_model_len}")
             self._check_tokens(rid, "prompt_token_ids", prompt)
-        for rid in ids:
-            self.cache.allocate(rid)
+        cached = self._start(items, [bool(w[1]) for w in logprobs] if logprobs else [False] * len(items))
         try:
-            hidden = self._forward({rid: p for rid, p, _ in items})
+            hidden = self._forward({rid: p[c:] for (rid, p, _), c in zip(items, cached)})
         except BaseException:
             for rid in ids:
                 self.cache.release(rid)
             raise
-        lens = torch.tensor([len(p) for _, p, _ in items])
+        lens = torch.tensor([len(p) - c for (_, p, _), c in zip(items, cached)])
         last = hidden[lens.cumsum(0) - 1]                                       # [B, D]
         gens = [s.generator() for _, _, s in items]
         last_logits = self.model.compute_logits(last)
         probs = self._probs(last_logits, [s for _, _, s in items])                   # [B, V]
         first = self.model.ps.decide(torch.tensor([self._sample(probs[b], g) for b, g in enumerate(gens)])).tolist()
         for (rid, prompt, s), tok, g in zip(items, first, gens):
-            self.requests[rid] = _Request(tok, len(prompt) + 1, s, g)
+            self.requests[rid] = _Request(tok, len(prompt) + 1, s, g, list(prompt) + [tok])
+            self.cache.seal(rid, prompt, len(prompt))
         if logprobs is None:
-            return Prefilled(first, hidden)
+            return Prefilled(first, hidden, None, cached)
         out, start = [], 0
         for b, ((_, prompt, _), (n, score)) in enumerate(zip(items, logprobs)):
             entry = {"prompt": [], "first": None}
@@ -113,8 +116,19 @@ class TargetEngine:
             if n is not None:
                 entry["first"] = token_logprobs(last_logits[b: b + 1], [first[b]], n)[0]
             out.append(entry)
-            start += len(prompt)
-        return Prefilled(first, hidden, out)
+            start += int(lens[b])
+        return Prefilled(first, hidden, out, cached)
+
+    def _start(self, items: list[tuple[str, list[int], Sampling]], scored: list[bool]) -> list[int]:
+        """Give each new request its cache, on the prefix cache's blocks for its prompt where it has
+        them (never the last prompt position: its row starts the draft; none when the prompt is
+        scored, which needs every row) -> positions found per item."""
+        cached = []
+        for (rid, prompt, _), score in zip(items, scored):
+            hit = self.cache.lookup(prompt, len(prompt) - 1) if self.cache.pool.enabled and not score else None
+            self.cache.allocate(rid, hit)
+            cached.append(hit.positions if hit else 0)
+        return cached
 
     @torch.inference_mode()
     def verify(self, items: list[tuple[str, list[int], torch.Tensor | None]], logprobs: list[int | None] | None = None):
@@ -181,6 +195,8 @@ class TargetEngine:
             toks = emitted[b, : a + 1].tolist()
             self.cache.rollback(rid, len(d) - a)                                 # drop rejected positions
             r.pending_token, r.num_tokens = toks[-1], r.num_tokens + a + 1
+            r.tokens += toks
+            self.cache.seal(rid, r.tokens, r.num_tokens - 1)                      # name full committed blocks
             out_tokens.append(toks)
             keep_rows.append(torch.arange(int(starts[b]), int(starts[b]) + a + 1))
         rows = hidden[torch.cat(keep_rows).to(hidden.device)]

@@ -89,8 +89,9 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
                 res = self.group.call(TargetEngine.prefill, items,
                                       want if any(n is not None or p for n, p in want) else None)
             rows = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
-                              [len(i[1]) for i in items], res.hidden)
-            resp = target_pb2.PrefillResponse(first_token_ids=res.first, hidden_rows=rows)
+                              [len(i[1]) - c for i, c in zip(items, res.cached)], res.hidden)
+            resp = target_pb2.PrefillResponse(first_token_ids=res.first, hidden_rows=rows,
+                                              num_cached_tokens=res.cached)
             for e in res.logprobs or []:
                 resp.logprobs.add(prompt=[logprob_pb(x) for x in e["prompt"]],
                                   first_token=logprob_pb(e["first"]) if e["first"] else None)
