@@ -86,16 +86,39 @@ def make_engines(models, prefix: bool, blocks: int, draft_blocks: int | None = N
     return te, de
 
 
-def serve(te, de, prompts: dict, k: int, n: int, sampled: bool, cancel: set = frozenset()):
+def prefill(te, de, prompts: dict, samp: dict, budget: int):
+    """Prefill, whole (budget 0) or in chunks of `budget` positions, each chunk's rows given to the draft
+    at once (Propose with no drafts: MTP position i pairs token i + 1 with row i) -> per request the first
+    token, and what the first round's Propose sends: tokens, their position, the rows, cached_tokens."""
+    first, todo, at = {}, list(prompts), {r: 0 for r in prompts}      # at: tokens given to the draft
+    pending, rows, cached = {}, {}, {}
+    while todo:
+        res = te.prefill([(r, prompts[r], samp[r]) for r in todo], None, [budget] * len(todo))
+        got = dict(zip(todo, res.hidden.split([e - s for s, e in zip(res.cached, res.computed)])))
+        feed = []
+        for r, s, e, tok in zip(todo, res.cached, res.computed, res.first):
+            rows[r], cached[r] = got[r], (s if at[r] == 0 else 0)
+            pending[r] = prompts[r][at[r]:e + 1] + ([tok] if e == len(prompts[r]) else [])
+            if e == len(prompts[r]):
+                first[r] = tok
+            else:
+                feed.append(ProposeItem(r, pending[r], 0, samp[r], at[r], cached[r]))
+        if feed:
+            assert de.expected_rows(feed) == {it.request_id: rows[it.request_id].shape[0] for it in feed}
+            de.propose(feed, {it.request_id: rows[it.request_id] for it in feed})
+            for it in feed:
+                at[it.request_id] += len(it.new_token_ids)
+        todo = [r for r in todo if r not in first]
+    return first, pending, {r: at[r] for r in prompts}, rows, cached
+
+
+def serve(te, de, prompts: dict, k: int, n: int, sampled: bool, cancel: set = frozenset(), budget: int = 0):
     """The gateway's loop in miniature, with prefix hits: Prefill, then Propose -> Verify; a request the
     draft did not take (not_held) is re-synced from RecomputeRows. -> (tokens, accepted) per request."""
     samp = {r: Sampling(temperature=0.8, seed=i) if sampled else Sampling() for i, r in enumerate(prompts)}
-    res = te.prefill([(r, p, samp[r]) for r, p in prompts.items()])
-    rows = dict(zip(prompts, res.hidden.split([len(p) - c for p, c in zip(prompts.values(), res.cached)])))
-    cached = dict(zip(prompts, res.cached))
-    out = {r: [t] for r, t in zip(prompts, res.first)}
-    pending = {r: list(p) + [t] for (r, p), t in zip(prompts.items(), res.first)}
-    position, acc = {r: 0 for r in prompts}, {r: 0 for r in prompts}
+    first, pending, position, rows, cached = prefill(te, de, prompts, samp, budget)
+    out = {r: [first[r]] for r in prompts}
+    acc = {r: 0 for r in prompts}
     live = list(prompts)
     while live:
         items = [ProposeItem(r, pending[r], k, samp[r], position[r], cached[r]) for r in live]
@@ -136,11 +159,12 @@ def workload(vocab=512, seed=0):
     return waves
 
 
-def run_all(models, prefix: bool, k: int, sampled: bool, blocks: int, draft_blocks: int | None = None):
+def run_all(models, prefix: bool, k: int, sampled: bool, blocks: int, draft_blocks: int | None = None,
+            budget: int = 0):
     te, de = make_engines(models, prefix, blocks, draft_blocks)
     tokens, acc = {}, {}
     for i, wave in enumerate(workload()):
-        t, a = serve(te, de, wave, k, 6, sampled, cancel={f"w{i}r1"})
+        t, a = serve(te, de, wave, k, 6, sampled, cancel={f"w{i}r1"}, budget=budget)
         tokens.update(t)
         acc.update(a)
     assert not te.requests and not de.committed
@@ -190,3 +214,27 @@ def test_scored_prompts_skip_the_cache(models):
     assert res.cached == [0] and len(res.logprobs[0]["prompt"]) == len(p) - 1
     res = te.prefill([("c", p, Sampling())])
     assert res.cached == [24] and res.hidden.shape[0] == len(p) - 24
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
+def test_chunked_prefill_equals_whole(models, k, sampled):
+    """Chunks of 5 positions (not a block multiple), the draft filled chunk by chunk; with prefix caching
+    on (hits mid-prompt, evictions) and off: the tokens and the acceptance of a whole prefill."""
+    whole, acc, _, _ = run_all(models, True, k, sampled, blocks=22)
+    for prefix in (True, False):
+        chunked, acc_c, te, _ = run_all(models, prefix, k, sampled, blocks=22, budget=5)
+        assert chunked == whole and acc_c == acc
+        assert not te.partial
+
+
+def test_chunks_are_refused_when_they_disagree(models):
+    from infra.errors import ServiceError
+    te, _ = make_engines(models, True, 40)
+    p = list(range(3, 30))
+    res = te.prefill([("a", p, Sampling())], None, [10])
+    assert (res.first, res.cached, res.computed, res.hidden.shape[0]) == ([0], [0], [10], 10)
+    with pytest.raises(ServiceError, match="later chunk of a prompt of 27 tokens has 26"):
+        te.prefill([("a", p[:-1], Sampling())], None, [10])
+    assert te.release(["a"]) == 1 and not te.partial
+    te.cache.pool.check_idle()

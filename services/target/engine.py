@@ -16,10 +16,9 @@ from models.kv_cache import CacheFullError, PagedKVCache
 from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
 from services.sampling import Sampling
+from services.target import prefill as plan
 from services.target.synthetic import synthetic_accept
 
-
-LOGPROB_CHUNK = 256          # prompt positions scored per LM-head call (bounds the [rows, V] buffer)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[float, list[int], list[float]]]:
@@ -33,10 +32,11 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[
 
 
 class Prefilled(NamedTuple):
-    first: list[int]                  # the first sampled token of each item
+    first: list[int]                  # the first sampled token of each item (0 while it prefills in chunks)
     hidden: torch.Tensor              # final-norm rows of the prompt positions computed [sum T - cached, D]
     logprobs: list | None = None      # per item {"prompt": [T-1 entries], "first": entry or None}, if asked
-    cached: list[int] | None = None   # per item: prompt positions found in the prefix cache (no rows for them)
+    cached: list[int] | None = None   # per item: positions before this call's (prefix cache / earlier chunks)
+    computed: list[int] | None = None # per item: positions in the cache after it (< len(prompt): chunked, no first)
 
 
 class Verified(NamedTuple):
@@ -65,6 +65,7 @@ class TargetEngine:
         self.forward = model                 # or a models.cuda_graphs.GraphedForward of it
         self.vocab_size = model.cfg.vocab_size
         self.requests: dict[str, _Request] = {}
+        self.partial: dict[str, tuple[int, int]] = {}    # prefilling in chunks: (positions computed, prompt length)
 
     def _check_tokens(self, rid: str, field: str, ids: list[int]) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -73,62 +74,40 @@ class TargetEngine:
                                                    f"vocab_size is {self.vocab_size}")
 
     @torch.inference_mode()
-    def prefill(self, items: list[tuple[str, list[int], Sampling]], logprobs: list[tuple[int | None, bool]] | None = None):
-        """-> Prefilled. logprobs: per item (top-n for the first token or None, whether to score the prompt)."""
+    def prefill(self, items: list[tuple[str, list[int], Sampling]], logprobs: list[tuple[int | None, bool]] | None = None,
+                budgets: list[int] | None = None):
+        """-> Prefilled. logprobs: per item (top-n for the first token or None, whether to score the prompt);
+        budgets: per item at most this many positions now (0: all; services/target/prefill.py)."""
+        scored = [bool(w[1]) for w in logprobs] if logprobs else [False] * len(items)
+        plan.check_items(self, items, scored)
         ids = [rid for rid, _, _ in items]
-        if len(set(ids)) != len(ids):
-            raise ServiceError("INVALID_ARGUMENT", "request ids in one Prefill must be unique")
-        for rid, prompt, sampling in items:
-            if rid in self.requests:
-                raise ServiceError("ALREADY_EXISTS", f"request {rid!r} is already running")
-            if not prompt:
-                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: prompt_token_ids is empty")
-            if len(prompt) >= self.max_model_len:
-                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: prompt has {len(prompt)} tokens, "
-                                                       f"max_model_len is {self.max_model_len}")
-            self._check_tokens(rid, "prompt_token_ids", prompt)
-        cached = self._start(items, [bool(w[1]) for w in logprobs] if logprobs else [False] * len(items))
         try:
-            hidden = self._forward({rid: p[c:] for (rid, p, _), c in zip(items, cached)})
+            spans = plan.spans(self, items, scored, budgets or [0] * len(items))
+            hidden = self._forward({rid: p[s:e] for (rid, p, _), (s, e) in zip(items, spans)})
         except BaseException:
             for rid in ids:
+                self.partial.pop(rid, None)
                 self.cache.release(rid)
             raise
-        lens = torch.tensor([len(p) - c for (_, p, _), c in zip(items, cached)])
-        last = hidden[lens.cumsum(0) - 1]                                       # [B, D]
-        gens = [s.generator() for _, _, s in items]
-        last_logits = self.model.compute_logits(last)
-        probs = self._probs(last_logits, [s for _, _, s in items])                   # [B, V]
-        first = self.model.ps.decide(torch.tensor([self._sample(probs[b], g) for b, g in enumerate(gens)])).tolist()
-        for (rid, prompt, s), tok, g in zip(items, first, gens):
+        done = [b for b, ((_, p, _), (_, e)) in enumerate(zip(items, spans)) if e == len(p)]
+        ends = torch.tensor([e - s for s, e in spans]).cumsum(0) - 1
+        gens = [items[b][2].generator() for b in done]
+        last_logits, sampled = None, []
+        if done:                                                                  # prompts prefilled to the end
+            last_logits = self.model.compute_logits(hidden[ends[done].to(hidden.device)])      # [B done, V]
+            probs = self._probs(last_logits, [items[b][2] for b in done])
+            sampled = self.model.ps.decide(torch.tensor([self._sample(probs[i], g) for i, g in enumerate(gens)])).tolist()
+        first = [0] * len(items)
+        for (rid, prompt, _), (_, e) in zip(items, spans):
+            self.cache.seal(rid, prompt, e)
+            self.partial[rid] = (e, len(prompt))
+        for b, tok, g in zip(done, sampled, gens):
+            rid, prompt, s = items[b]
+            del self.partial[rid]
+            first[b] = tok
             self.requests[rid] = _Request(tok, len(prompt) + 1, s, g, list(prompt) + [tok])
-            self.cache.seal(rid, prompt, len(prompt))
-        if logprobs is None:
-            return Prefilled(first, hidden, None, cached)
-        out, start = [], 0
-        for b, ((_, prompt, _), (n, score)) in enumerate(zip(items, logprobs)):
-            entry = {"prompt": [], "first": None}
-            if score:                         # row j's logits score prompt token j + 1
-                for i in range(0, len(prompt) - 1, LOGPROB_CHUNK):
-                    j = min(i + LOGPROB_CHUNK, len(prompt) - 1)
-                    entry["prompt"] += token_logprobs(self.model.compute_logits(hidden[start + i: start + j]),
-                                                      prompt[i + 1: j + 1], n or 0)
-            if n is not None:
-                entry["first"] = token_logprobs(last_logits[b: b + 1], [first[b]], n)[0]
-            out.append(entry)
-            start += int(lens[b])
-        return Prefilled(first, hidden, out, cached)
-
-    def _start(self, items: list[tuple[str, list[int], Sampling]], scored: list[bool]) -> list[int]:
-        """Give each new request its cache, on the prefix cache's blocks for its prompt where it has
-        them (never the last prompt position: its row starts the draft; none when the prompt is
-        scored, which needs every row) -> positions found per item."""
-        cached = []
-        for (rid, prompt, _), score in zip(items, scored):
-            hit = self.cache.lookup(prompt, len(prompt) - 1) if self.cache.pool.enabled and not score else None
-            self.cache.allocate(rid, hit)
-            cached.append(hit.positions if hit else 0)
-        return cached
+        out = None if logprobs is None else plan.score(self, items, logprobs, hidden, spans, last_logits, sampled)
+        return Prefilled(first, hidden, out, [s for s, _ in spans], [e for _, e in spans])
 
     @torch.inference_mode()
     def verify(self, items: list[tuple[str, list[int], torch.Tensor | None]], logprobs: list[int | None] | None = None):
@@ -236,7 +215,7 @@ class TargetEngine:
     def release(self, ids: list[str]) -> int:
         n = 0
         for rid in ids:
-            n += self.requests.pop(rid, None) is not None
+            n += (self.requests.pop(rid, None) or self.partial.pop(rid, None)) is not None
             self.cache.release(rid)
         return n
 
