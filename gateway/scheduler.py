@@ -22,6 +22,7 @@ import grpc
 
 from gateway.availability import Availability, InFlight
 from gateway.request import Event, GenRequest, Observer, SpecStats, call_budget  # noqa: F401 (re-exported)
+from gateway.prefix_recovery import recover
 from gateway.resync import resync
 from gateway.stubs import CONTRACT_CODES, DraftStub, TargetStub, client_status
 from infra import tracing
@@ -231,7 +232,10 @@ class Scheduler:
         drafts = {}
         for r, res in zip(spec, presp.results):
             drafts[r.id] = res
-            r.draft.lost() if res.not_held else r.draft.proposed()   # not_held: re-sync (gateway/resync.py)
+            if not res.not_held:
+                r.draft.proposed()
+        if any(res.not_held for res in presp.results):       # its prefix cache lacked what the target had
+            await recover(self, [r for r, res in zip(spec, presp.results) if res.not_held], drafts)
         return drafts
 
     @property

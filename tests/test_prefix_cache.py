@@ -114,7 +114,7 @@ def prefill(te, de, prompts: dict, samp: dict, budget: int):
 
 def serve(te, de, prompts: dict, k: int, n: int, sampled: bool, cancel: set = frozenset(), budget: int = 0):
     """The gateway's loop in miniature, with prefix hits: Prefill, then Propose -> Verify; a request the
-    draft did not take (not_held) is re-synced from RecomputeRows. -> (tokens, accepted) per request."""
+    draft did not take (not_held) is proposed again with every row (gateway/prefix_recovery.py). -> (tokens, accepted) per request."""
     samp = {r: Sampling(temperature=0.8, seed=i) if sampled else Sampling() for i, r in enumerate(prompts)}
     first, pending, position, rows, cached = prefill(te, de, prompts, samp, budget)
     out = {r: [first[r]] for r in prompts}
@@ -124,7 +124,12 @@ def serve(te, de, prompts: dict, k: int, n: int, sampled: bool, cancel: set = fr
         items = [ProposeItem(r, pending[r], k, samp[r], position[r], cached[r]) for r in live]
         assert de.expected_rows(items) == {r: rows[r].shape[0] for r in live}
         proposals = de.propose(items, {r: rows[r] for r in live})
-        for r in live:
+        for b, r in enumerate(live):
+            if r in de.not_held:                         # gateway/prefix_recovery.py: every row, same round
+                pending[r], position[r] = list(prompts[r]) + out[r], 0
+                (proposals[b],) = de.propose([ProposeItem(r, pending[r], k, samp[r])],
+                                             {r: te.recompute_rows([(r, pending[r])])})
+                assert r not in de.not_held
             position[r] += len(pending[r])
             cached[r] = 0
         accepted, emitted, hidden, _ = te.verify([(r, d, q) for r, (d, q) in zip(live, proposals)])
@@ -133,10 +138,6 @@ def serve(te, de, prompts: dict, k: int, n: int, sampled: bool, cancel: set = fr
             out[r] += toks
             acc[r] += a
             pending[r] = toks
-            if r in de.not_held:                          # re-sync: every committed token from position 0
-                pending[r] = list(prompts[r]) + out[r]
-                position[r] = 0
-                rows[r] = te.recompute_rows([(r, pending[r])])
         done = [r for r in live if len(out[r]) >= n or (r in cancel and len(out[r]) >= 2)]
         te.release(done)
         de.release(done)
@@ -189,10 +190,10 @@ def test_prefix_caching_on_equals_off(models, k, sampled):
     assert k == 0 or de.cache.pool.hits >= te.cache.pool.hits
 
 
-def test_a_draft_that_lost_the_prefix_is_resynced(models):
-    """The draft's cache evicted a prefix the target still holds: not_held, re-sync, same tokens as off
-    (greedy: a seeded stream follows the drafts, and the round of the re-sync has none)."""
-    sampled = False
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_a_draft_that_lost_the_prefix_is_recovered_in_the_round(models, sampled):
+    """The draft's cache evicted a prefix the target still holds: not_held, every row recomputed and
+    proposed again in the same round: the tokens and the acceptance of a run without prefix caching."""
     prompt = list(range(40, 80))
     outs = []
     for prefix in (False, True):
@@ -201,7 +202,7 @@ def test_a_draft_that_lost_the_prefix_is_resynced(models):
         de.cache.allocate("filler")                      # takes every free and cached block of the draft
         de.cache.extend("filler", de.cache.num_free_blocks * BS)
         de.cache.release("filler")
-        outs.append(serve(te, de, {"b": prompt + [6]}, 3, 8, sampled)[0])
+        outs.append(serve(te, de, {"b": prompt + [6]}, 3, 8, sampled))
     assert outs[0] == outs[1]
     assert te.cache.pool.hits == 40 and de.cache.pool.hits == 0 and de.cache.pool.evictions > 0
 
