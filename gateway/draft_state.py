@@ -32,18 +32,21 @@ class DraftState:
     rows: rows_pb2.HiddenRows | None = None                   # the row set holding the pending tokens' rows
     parked: bool = False
     probe: bool = False                                       # stale because the policy woke it
+    cached: int = 0                                           # new request: leading positions sent without rows
 
-    def prefilled(self, tokens: list[int], rows: rows_pb2.HiddenRows, speculate: bool, wants_drafts: bool) -> None:
+    def prefilled(self, tokens: list[int], rows: rows_pb2.HiddenRows, speculate: bool, wants_drafts: bool,
+                  cached: int = 0) -> None:
         """After Prefill: the draft gets `tokens` (prompt + first token) from position 0 with Prefill's
-        rows. A request that wants drafts but cannot have them now (speculation degraded, no rows)
-        starts stale, so it is re-synced once the draft is back."""
+        rows, which skip the first `cached` positions (the target's prefix cache held them; the draft
+        takes them from its own, or answers not_held). A request that wants drafts but cannot have them
+        now (speculation degraded, no rows) starts stale, so it is re-synced once the draft is back."""
         self.speculate, self.stale = speculate, wants_drafts and not speculate
-        self.pending, self.position, self.rows = list(tokens), 0, rows
+        self.pending, self.position, self.rows, self.cached = list(tokens), 0, rows, cached
 
     def proposed(self) -> None:
         """A Propose took the pending tokens and their rows: the draft holds them now."""
         self.position += len(self.pending)
-        self.pending, self.rows = [], None
+        self.pending, self.rows, self.cached = [], None, 0
 
     def verified(self, tokens: list[int], rows: rows_pb2.HiddenRows) -> None:
         """A Verify committed `tokens`: they and their rows go to the draft with the next Propose, while
@@ -60,7 +63,7 @@ class DraftState:
         """The draft dropped what it held and the target recomputed rows of every committed token but
         the last: the next Propose gives it all of `tokens` from position 0, as a new request."""
         self.speculate, self.stale, self.probe = True, False, False
-        self.pending, self.position, self.rows = list(tokens), 0, rows
+        self.pending, self.position, self.rows, self.cached = list(tokens), 0, rows, 0
 
     def dropped(self) -> None:
         """Re-sync gave up (no room for it on the target): the request finishes without drafts."""

@@ -185,6 +185,7 @@ class _Collector:
                 used.add_metric(lab + [name], info.kv_blocks_total - info.kv_blocks_free)
                 free.add_metric(lab + [name], info.kv_blocks_free)
         yield from (used, free, up)
+        yield from _prefix_cache(m.info, lab)
         g = GaugeMetricFamily("tandem:hidden_transport_info", "1 for the transport hidden rows take now "
                               "(bridge:gloo|nccl|ipc, inline, none)", labels=["model_name", "transport"])
         g.add_metric(lab + [hidden_transport(s, m.info)], 1)
@@ -218,6 +219,17 @@ def _policy(policy, lab: list[str]):
                          ("spec_decode_reprobes", "Parked requests woken for a probe", policy.wakes)):
         c = CounterMetricFamily(f"tandem:{name}", doc, labels=["model_name"])
         c.add_metric(lab, v)
+        yield c
+
+
+def _prefix_cache(info: dict, lab: list[str]):
+    """vLLM's prefix-cache counters (tokens) of each service that has prefix caching on (its last GetInfo)."""
+    for name, doc in (("queries", "Prompt tokens looked up in the prefix cache"),
+                      ("hits", "Prompt tokens found in the prefix cache")):
+        c = CounterMetricFamily(f"tandem:prefix_cache_{name}", doc, labels=["model_name", "service"])
+        for service, i in info.items():
+            if not isinstance(i, str) and i.prefix_caching:
+                c.add_metric(lab + [service], getattr(i, f"prefix_cache_{name}"))
         yield c
 
 

@@ -205,9 +205,11 @@ def chat_logprobs(token_ids: list[int], entries: list, token_str) -> list[dict]:
             for t, e in zip(token_ids, entries)]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def error_code(code: grpc.StatusCode, message: str) -> str:

@@ -88,6 +88,30 @@ class GenRequest:
     max_model_len: int = 1 << 30                             # the target's: prompt + output fit in it
     round_cap: int | None = None                             # this round's k, when a policy chose one
     policy_state: object = None                              # the speculation policy's (gateway/adaptive.py)
+    cached_tokens: int = 0                                   # prompt positions the target's prefix cache held
+
+    def take(self, tokens: list[int], logprobs: list | None, eos: set[int]) -> tuple[list[int], str, str | None]:
+        """Append the target's tokens to the output up to the first that ends the request (EOS, one that
+        completes a stop string, max_tokens) -> (tokens taken, their text, finish reason or None)."""
+        new, text, finish, stopped = [], "", None, False
+        for i, t in enumerate(tokens):
+            if not self.ignore_eos and t in eos:
+                finish = "stop"
+                self.eos = (t, logprobs[i] if logprobs and i < len(logprobs) else None)
+                break
+            new.append(t)
+            delta, stopped = self.text.add([t])
+            text += delta
+            if stopped:
+                finish = "stop"
+                break
+            if len(self.output_ids) + len(new) >= self.max_tokens:
+                finish = "length"
+                break
+        self.output_ids += new
+        if finish and not stopped:
+            text += self.text.flush()
+        return new, text, finish
 
     def round_k(self, k: int | None = None) -> int:
         """Drafts this round: k (default: the speculation policy's choice for this round, else K), less near

@@ -66,8 +66,9 @@ class CompletionShaper:
         return out
 
     def usage(self) -> dict:
-        prompts = sum(len(self.choices[p * self.n].r.prompt_ids) for p in range(self.num_prompts))
-        return api.usage(prompts, sum(len(c.r.output_ids) for c in self.choices))
+        firsts = [self.choices[p * self.n].r for p in range(self.num_prompts)]
+        return api.usage(sum(len(r.prompt_ids) for r in firsts), sum(len(c.r.output_ids) for c in self.choices),
+                         sum(r.cached_tokens for r in firsts))
 
     def finish_span(self, span) -> None:
         u = self.usage()

@@ -23,6 +23,7 @@ import grpc
 from gateway.adaptive import FixedPolicy
 from gateway.availability import Availability, InFlight
 from gateway.request import Event, GenRequest, Observer, SpecStats, call_budget  # noqa: F401 (re-exported)
+from gateway.prefix_recovery import recover
 from gateway.resync import resync
 from gateway.stubs import CONTRACT_CODES, DraftStub, TargetStub, client_status
 from infra import tracing
@@ -156,6 +157,7 @@ class Scheduler:
         self.obs.phase("prefill", time.perf_counter() - t0)
         for i, (r, tok) in enumerate(zip(new, resp.first_token_ids)):
             lp = resp.logprobs[i] if i < len(resp.logprobs) else None
+            r.cached_tokens = resp.num_cached_tokens[i] if i < len(resp.num_cached_tokens) else 0
             r.prompt_lps = list(lp.prompt) if lp is not None else []
             if r.max_tokens <= 0:             # scoring only (echo with max_tokens 0): no new token
                 r.events.put_nowait(Event([], "", "length"))
@@ -164,7 +166,7 @@ class Scheduler:
             self.running.append(r)
             r.draft.prefilled(list(r.prompt_ids) + [tok], resp.hidden_rows,
                               speculate=self._speculating and r.k > 0 and resp.HasField("hidden_rows"),
-                              wants_drafts=self.draft is not None and r.k > 0)
+                              wants_drafts=self.draft is not None and r.k > 0, cached=r.cached_tokens)
             self._commit(r, [tok], [lp.first_token] if lp is not None and r.logprobs is not None else [])
 
     async def _round(self, batch: list[GenRequest]) -> None:
@@ -207,7 +209,7 @@ class Scheduler:
         sets = {id(r.draft.rows): r.draft.rows for r in spec}
         preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
             request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.round_k(), sampling=r.sampling,
-            position=r.draft.position) for r in spec], hidden_rows=list(sets.values()))
+            position=r.draft.position, cached_tokens=r.draft.cached) for r in spec], hidden_rows=list(sets.values()))
         t0 = time.perf_counter()
         timeout, by_deadlines = call_budget(spec, self.draft_timeout)
         try:
@@ -231,7 +233,10 @@ class Scheduler:
         drafts = {}
         for r, res in zip(spec, presp.results):
             drafts[r.id] = res
-            r.draft.proposed()
+            if not res.not_held:
+                r.draft.proposed()
+        if any(res.not_held for res in presp.results):       # its prefix cache lacked what the target had
+            await recover(self, [r for r, res in zip(spec, presp.results) if res.not_held], drafts)
         return drafts
 
     @property
@@ -252,24 +257,7 @@ class Scheduler:
         (tokens, usage) does not depend on how many drafts a round accepted."""
         if r.finished:
             return
-        new, text, finish, stopped = [], "", None, False
-        for i, t in enumerate(tokens):
-            if not r.ignore_eos and t in self.eos:
-                finish = "stop"
-                r.eos = (t, logprobs[i] if logprobs and i < len(logprobs) else None)
-                break
-            new.append(t)
-            delta, stopped = r.text.add([t])
-            text += delta
-            if stopped:
-                finish = "stop"
-                break
-            if len(r.output_ids) + len(new) >= r.max_tokens:
-                finish = "length"
-                break
-        r.output_ids += new
-        if finish and not stopped:
-            text += r.text.flush()
+        new, text, finish = r.take(tokens, logprobs, self.eos)
         now = time.monotonic()
         self.obs.tokens(r, len(new), now)
         r.first_token_time = r.first_token_time or now

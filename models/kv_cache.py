@@ -5,7 +5,9 @@ the same blocks: one block table, one rollback and one release serve all of them
 Blocks of `block_size` tokens come from one pool shared by all requests. A request owns a block
 table and a length; `extend` appends positions (all-or-nothing), `rollback` drops the last n
 (rejected drafts), `release` returns every block. Exhaustion raises CacheFullError, never
-overwrites another request's slots.
+overwrites another request's slots. With prefix caching on (`enable_prefix_cache`), full committed
+blocks are named by content and shared between requests (models/prefix_cache.py): `allocate` may
+start a request on cached blocks found by `lookup`, `seal` names its full blocks as they commit.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+
+from models.prefix_cache import BlockPool, PoolExhausted
 
 INDEX_SCORINGS = ("exact", "deployed")      # kernels/dsa.py: fp32 scores / Hadamard + fp8 keys
 
@@ -34,6 +38,13 @@ class LayerKV(NamedTuple):
     kpe: torch.Tensor
     index_k: torch.Tensor | None = None
     index_scale: torch.Tensor | None = None
+
+
+class PrefixHit(NamedTuple):
+    """Cached full blocks found for a new request's tokens (referenced for it), their keys, their positions."""
+    blocks: list[int]
+    keys: list[bytes]
+    positions: int
 
 
 class CacheFullError(RuntimeError):
@@ -125,9 +136,11 @@ class PagedKVCache:
                                    dtype=torch.float8_e4m3fn if deployed else dtype) if index_head_dim else None
         self.index_scale = (torch.zeros(num_layers, num_blocks, block_size, dtype=torch.float32, device=device)
                             if deployed else None)
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.pool = BlockPool(num_blocks, block_size)
         self._tables: dict[str, list[int]] = {}
         self._lengths: dict[str, int] = {}
+        self._keys: dict[str, list[bytes]] = {}              # prefix caching: keys of each table's named blocks
+        self._sealed: dict[str, int] = {}                    # positions a request may not roll back past
 
     def layer(self, i: int) -> LayerKV:
         return LayerKV(self.ckv[i], self.kpe[i], None if self.index_k is None else self.index_k[i],
@@ -136,11 +149,35 @@ class PagedKVCache:
     # --- bookkeeping -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a request can take: free, or cached by prefix caching and referenced by no request."""
+        return self.pool.available
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.pool.available
+
+    def enable_prefix_cache(self, salt: str, shift: int = 0) -> None:
+        """Prefix caching on (models/prefix_cache.py): salt names what else decides the cached values."""
+        self.pool.enable(f"{salt}|bs={self.block_size}|index={self.index_scoring}", shift)
+
+    def lookup(self, tokens: list[int], max_positions: int) -> PrefixHit:
+        """Cached full blocks that start `tokens` (at most max_positions positions), referenced for the
+        request `allocate` is given them next (or give them back with `drop`). Counts a query of
+        len(tokens) - shift tokens and a hit of the positions found."""
+        blocks, keys = self.pool.lookup(tokens, max_positions, len(tokens) - self.pool.shift)
+        return PrefixHit(blocks, keys, len(blocks) * self.block_size)
+
+    def drop(self, hit: PrefixHit | None) -> None:
+        """Give back the references of a hit that no request took."""
+        if hit is not None:
+            self.pool.give(hit.blocks)
+
+    def seal(self, request_id: str, tokens: list[int], committed: int) -> None:
+        """Name the request's full blocks below `committed` positions (`tokens`: its tokens so far)."""
+        self._check(request_id)
+        self._keys[request_id] = self.pool.seal(self._tables[request_id], tokens, committed,
+                                                self._keys[request_id])
+        self._sealed[request_id] = len(self._keys[request_id]) * self.block_size
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._lengths
@@ -156,10 +193,14 @@ class PagedKVCache:
         if request_id not in self._lengths:
             raise UnknownRequestError(f"request {request_id!r} has no KV cache (never started or released)")
 
-    def allocate(self, request_id: str) -> None:
+    def allocate(self, request_id: str, hit: PrefixHit | None = None) -> None:
+        """A new request with no positions, or starting on the cached blocks of `hit` (from `lookup`)."""
         if request_id in self._lengths:
+            self.drop(hit)
             raise ValueError(f"request {request_id!r} already has a KV cache")
-        self._tables[request_id], self._lengths[request_id] = [], 0
+        self._tables[request_id] = list(hit.blocks) if hit else []
+        self._keys[request_id] = list(hit.keys) if hit else []
+        self._lengths[request_id] = self._sealed[request_id] = hit.positions if hit else 0
 
     def blocks_needed(self, request_id: str, n: int) -> int:
         have = len(self._tables.get(request_id, []))
@@ -168,28 +209,31 @@ class PagedKVCache:
     def extend(self, request_id: str, n: int) -> None:
         self._check(request_id)
         need = self.blocks_needed(request_id, n)
-        if need > len(self._free):
+        try:
+            self._tables[request_id].extend(self.pool.take(need))
+        except PoolExhausted:
             raise CacheFullError(f"KV cache pool exhausted: request {request_id!r} needs {need} more "
-                                 f"blocks of {self.block_size} tokens, {len(self._free)} of "
-                                 f"{self.num_blocks} free")
-        self._tables[request_id].extend(self._free.pop() for _ in range(need))
+                                 f"blocks of {self.block_size} tokens, {self.pool.available} of "
+                                 f"{self.num_blocks} free") from None
         self._lengths[request_id] += n
 
     def rollback(self, request_id: str, n: int) -> None:
         self._check(request_id)
-        if not 0 <= n <= self._lengths[request_id]:
-            raise ValueError(f"cannot roll back {n} positions of request {request_id!r} "
-                             f"holding {self._lengths[request_id]}")
+        if not 0 <= n <= self._lengths[request_id] - self._sealed[request_id]:
+            raise ValueError(f"cannot roll back {n} positions of request {request_id!r} holding "
+                             f"{self._lengths[request_id]} ({self._sealed[request_id]} sealed)")
         self._lengths[request_id] -= n
         keep = -(-self._lengths[request_id] // self.block_size)
         table = self._tables[request_id]
-        while len(table) > keep:
-            self._free.append(table.pop())
+        if len(table) > keep:
+            self.pool.give(table[keep:])
+            del table[keep:]
 
     def release(self, request_id: str) -> None:
         if request_id in self._lengths:
-            self._free.extend(reversed(self._tables.pop(request_id)))
-            del self._lengths[request_id]
+            self.pool.give(self._tables.pop(request_id))
+            for d in (self._lengths, self._keys, self._sealed):
+                del d[request_id]
 
     # --- one step ------------------------------------------------------------------------------
     def prepare(self, request_ids: list[str], query_lens: list[int]) -> AttentionBatch:
@@ -202,9 +246,9 @@ class PagedKVCache:
         for rid in request_ids:
             self._check(rid)
         need = sum(self.blocks_needed(r, n) for r, n in zip(request_ids, query_lens))
-        if need > len(self._free):
+        if need > self.pool.available:
             raise CacheFullError(f"KV cache pool exhausted: step needs {need} more blocks of "
-                                 f"{self.block_size} tokens, {len(self._free)} of {self.num_blocks} free")
+                                 f"{self.block_size} tokens, {self.pool.available} of {self.num_blocks} free")
         starts = [self._lengths[r] for r in request_ids]
         for r, n in zip(request_ids, query_lens):
             self.extend(r, n)

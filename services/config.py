@@ -25,6 +25,9 @@ FLAG_HELP = {
     "index_scoring": "DeepSeek-V3.2 sparse attention: how the indexer scores keys; exact (fp32 scores, as "
                      "transformers), deployed (Hadamard + fp8 e4m3 keys, as DeepSeek's kernels) or auto "
                      "(deployed on CUDA, exact on CPU). Ignored for models without an indexer",
+    "no_prefix_cache": "turn prefix caching off: by default full blocks of committed tokens are named by content "
+                       "and shared by later requests with the same prefix (give it to target and draft alike: a "
+                       "draft without it re-syncs every request the target found cached)",
     "synthetic_acceptance": "BENCHMARK ONLY, changes the output: the target accepts each draft token with "
                             "probability P (stopping at the first rejection) instead of checking it, after the "
                             "real forward pass; greedy requests only. P, or P1,P2,... per position (conditional "
@@ -67,6 +70,7 @@ class ServiceConfig:
     enforce_eager: bool = False      # cuda: no CUDA graphs (they are used where tp = 1, models/cuda_graphs.py)
     cuda_graph_max_batch: int = 64   # cuda: graphs for batches up to this are captured at start (larger: lazily)
     index_scoring: str = "auto"      # V3.2 indexer: auto | exact | deployed (models/kv_cache.index_scoring_for)
+    no_prefix_cache: bool = False    # prefix caching off (on: full blocks shared by content, models/prefix_cache.py)
 
     @property
     def rank_device(self) -> str:
@@ -131,7 +135,7 @@ def parse(role: str, argv, description: str) -> ServiceConfig:
         default = DEFAULT_PORTS[role] if f.name == "port" else (None if f.name == "model" else f.default)
         names = flags.get(f.name, ["--" + f.name.replace("_", "-")])
         if isinstance(f.default, bool):
-            p.add_argument(*names, dest=f.name, action="store_true")
+            p.add_argument(*names, dest=f.name, action="store_true", help=FLAG_HELP.get(f.name))
         else:
             p.add_argument(*names, dest=f.name, default=default, type=type(f.default) if f.name != "model" else str,
                            help=FLAG_HELP.get(f.name) or f.name.replace("_", " "))

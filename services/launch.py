@@ -23,10 +23,10 @@ log = logging.getLogger("tandem.launch")
 
 def build_engine(engine_cls, model_cls, model: str, device: str, dtype: torch.dtype, ps: ParallelState | None = None,
                  num_blocks: int = 2048, block_size: int = 16, max_model_len: int = 4096, index_scoring: str = "auto",
-                 graphs: bool = True, graph_batch: int = 64, what: str = "tandem"):
+                 graphs: bool = True, graph_batch: int = 64, what: str = "tandem", prefix_cache: bool = False):
     """Model -> KV cache -> engine -> CUDA graphs, as every service and benchmark builds them. model: a
     checkpoint directory or a random preset id; graphs: captured on CUDA (the draft's for each MTP layer)
-    up to graph_batch requests now (0: lazily)."""
+    up to graph_batch requests now (0: lazily); prefix_cache: prefix caching on (models/prefix_cache.py)."""
     try:
         m = load_any(model_cls, model, ps=ps, dtype=dtype, device=device)
     except ValueError as e:                    # layout errors: heads/experts not divisible, ...
@@ -37,6 +37,10 @@ def build_engine(engine_cls, model_cls, model: str, device: str, dtype: torch.dt
         log.info("%s: DeepSeek sparse attention: index_topk %d, %d index heads of %d, %s scoring", what,
                  mc.index_topk, mc.index_n_heads, mc.index_head_dim, cache.index_scoring)
     engine = engine_cls(m, cache, min(max_model_len, mc.max_position_embeddings))
+    if prefix_cache:                           # the salt: what else decides a block's values
+        ident = f"{model_identity(model)}|{dtype}|tp={ps.tp_size if ps else 1}"
+        rows = f"|rows of the target {model_identity(model)}" if engine_cls.prefix_shift else ""
+        cache.enable_prefix_cache(f"{engine_cls.__name__}|{ident}{rows}", engine_cls.prefix_shift)
     if graphs and str(device).startswith("cuda"):
         from models import cuda_graphs
         with on_device(torch.device(device)):      # capture and Triton launches on the engine's own GPU
@@ -56,7 +60,8 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
         engine = build_engine(engine_cls, model_cls, cfg.model, cfg.rank_device, cfg.torch_dtype, ps=ps,
                               num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
                               index_scoring=cfg.index_scoring, graphs=cfg.tp == 1 and not cfg.enforce_eager,
-                              graph_batch=cfg.cuda_graph_max_batch, what=f"tandem {role}")
+                              graph_batch=cfg.cuda_graph_max_batch, what=f"tandem {role}",
+                              prefix_cache=not cfg.no_prefix_cache)
         group = RankGroup(engine, ps)
         if cfg.rank > 0:
             group.serve_worker()

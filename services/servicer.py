@@ -25,7 +25,8 @@ def service_info(cfg: ServiceConfig, engine, running: int, channel=None):
         running_requests=running, contract_version=CONTRACT_VERSION,
         num_nextn_predict_layers=mc.num_nextn_predict_layers, model_identity=model_identity(cfg.model),
         index_topk=mc.index_topk or 0, index_scoring=engine.cache.index_scoring or "",
-        hidden_transport=transport, bridge_generation=generation)
+        hidden_transport=transport, bridge_generation=generation, prefix_caching=engine.cache.pool.enabled,
+        prefix_cache_queries=engine.cache.pool.queries, prefix_cache_hits=engine.cache.pool.hits)
 
 
 def hello(cfg: ServiceConfig) -> dict:

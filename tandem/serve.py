@@ -86,6 +86,7 @@ def parse(argv):
                    "v2-lite-yarn, v32-slice, tiny, tiny-v32) built on the device instead of --model; no tokenizer: send token ids")
     p.add_argument("--seed", type=int, default=0, help="seed of the --random-config weights")
     p.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs in target and draft")
+    p.add_argument("--no-prefix-cache", action="store_true", help="prefix caching off in target and draft")
     p.add_argument("--index-scoring", default="auto", choices=["auto", "exact", "deployed"],
                    help="DeepSeek-V3.2 sparse attention in target and draft: exact (fp32 scores, as transformers), "
                    "deployed (Hadamard + fp8 keys, as DeepSeek's kernels), auto: deployed on cuda, exact on cpu")
@@ -142,6 +143,7 @@ def commands(a) -> list[tuple[str, list[str], str]]:
     tls = [x for flag, path in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key), ("--tls-ca", a.tls_ca))
            if path for x in (flag, path)]
     common += tls + (["--enforce-eager"] if a.enforce_eager else [])
+    common += ["--no-prefix-cache"] if a.no_prefix_cache else []
     sp = ["--sequence-parallel"] if a.sequence_parallel else []
     cmds = [("target", py + ["target", "--device", t_dev, "--grpc-port", str(a.target_port), "--tp", str(a.tp),
                              "--ep", str(a.ep), "--dist-addr", f"127.0.0.1:{a.dist_port}"] + sp + common

@@ -69,10 +69,11 @@ def prefill(c, request_id: str, prompt: list[int], transport=INLINE) -> target_p
         return_hidden_rows=True, transport=transport), timeout=TIMEOUT)
 
 
-def propose(c, request_id: str, new_tokens: list[int], position: int, rows: list[rows_pb2.HiddenRows], k=K):
+def propose(c, request_id: str, new_tokens: list[int], position: int, rows: list[rows_pb2.HiddenRows], k=K,
+            cached: int = 0):
     return c.draft.Propose(draft_pb2.ProposeRequest(
         items=[draft_pb2.ProposeItem(request_id=request_id, new_token_ids=new_tokens, num_draft_tokens=k,
-                                     position=position)], hidden_rows=rows), timeout=TIMEOUT)
+                                     position=position, cached_tokens=cached)], hidden_rows=rows), timeout=TIMEOUT)
 
 
 def verify(c, request_id: str, drafts: list[int], transport=INLINE, draft_probs: bytes = b""):
@@ -117,12 +118,13 @@ def drive(c, request_id: str, prompt: list[int], n: int, transport=INLINE, k=K) 
     descriptor on the way. -> (n tokens, drafts accepted)."""
     try:
         pre = prefill(c, request_id, prompt, transport)
-        rows = pre.hidden_rows
+        rows, cached = pre.hidden_rows, pre.num_cached_tokens[0]       # a prompt seen before: prefix hit
         assert (rows.transport, list(rows.request_ids), list(rows.rows_per_request), rows.num_rows) == \
-            (transport, [request_id], [len(prompt)], len(prompt))
+            (transport, [request_id], [len(prompt) - cached], len(prompt) - cached)
         tokens, new, position, accepted = list(pre.first_token_ids), prompt + list(pre.first_token_ids), 0, 0
         while len(tokens) < n:
-            drafts = list(propose(c, request_id, new, position, [rows], k).results[0].draft_token_ids)
+            drafts = list(propose(c, request_id, new, position, [rows], k, cached).results[0].draft_token_ids)
+            cached = 0
             assert len(drafts) == k
             position += len(new)
             v = verify(c, request_id, drafts, transport)

@@ -37,7 +37,7 @@ def speculate(te: TargetEngine, de: DraftEngine, prompts: dict, k, n: int, sampl
     sampling = sampling or {r: Sampling() for r in prompts}
     policy = k if isinstance(k, PolicyK) else None
     k = k if isinstance(k, dict) or policy else {r: k for r in prompts}
-    first, hidden, _ = te.prefill([(r, p, sampling[r]) for r, p in prompts.items()])
+    first, hidden, *_ = te.prefill([(r, p, sampling[r]) for r, p in prompts.items()])
     rows = dict(zip(prompts, hidden.split([len(p) for p in prompts.values()])))
     out = {r: [t] for r, t in zip(prompts, first)}
     pending = {r: list(p) + [t] for (r, p), t in zip(prompts.items(), first)}
@@ -97,7 +97,7 @@ def test_oracle_drafts_accepted_and_rolled_back():
     te = TargetEngine(target, new_cache(target, 64), 2048)
     prompt = [3, 17, 42, 9, 100, 7]
     ref = greedy_generate(target, prompt, 12)
-    (first,), _, _ = te.prefill([("a", prompt, Sampling())])
+    (first,), *_ = te.prefill([("a", prompt, Sampling())])
     assert first == ref[0]
     acc, out, rows, _ = te.verify([("a", ref[1:4], None)])                 # all three drafts right
     assert acc == [3] and out == [ref[1:5]] and rows.shape[0] == 4
@@ -131,14 +131,14 @@ def test_mtp_drafts_match_a_from_scratch_recomputation():
     target, draft = make_models()
     te, de = engines(target, draft)
     prompt = [5, 6, 7, 8, 9, 10, 11]
-    (t0,), hidden, _ = te.prefill([("a", prompt, Sampling())])
+    (t0,), hidden, *_ = te.prefill([("a", prompt, Sampling())])
     seq, rows, pending, pos = prompt + [t0], hidden, prompt + [t0], 0
     for _ in range(4):
         (drafts, _), = de.propose([ProposeItem("a", pending, 2, Sampling(), pos)], {"a": rows})
         pos += len(pending)
         # from scratch: target hidden over seq[:-1], MTP over pairs (h_i, seq[i+1]) in a fresh cache
         t2 = TargetEngine(target, new_cache(target, 64), 2048)
-        _, h_all, _ = t2.prefill([("x", seq[:-1], Sampling())])
+        _, h_all, *_ = t2.prefill([("x", seq[:-1], Sampling())])
         fresh = DraftEngine(draft, new_cache(draft, 64), 2048)
         (ref, _), = fresh.propose([ProposeItem("x", seq, 1, Sampling(), 0)], {"x": h_all})
         assert drafts[0] == ref[0]

@@ -217,7 +217,8 @@ FAULT_DRAFT = ["--tp", "2"] + SP
 def fault_cluster(ckpt, log_dir, fault: bool) -> Cluster:
     env = {"TANDEM_FAULT": "skip_sp_gather"} if fault else {}
     return Cluster(ckpt, k=K, hidden_transport="gloo", log_dir=log_dir,
-                   targets=[{"args": FAULT_TARGET}], drafts=[{"args": FAULT_DRAFT, "env": env}])
+                   targets=[{"args": FAULT_TARGET + ["--no-prefix-cache"]}],   # each send: the whole prompt's step
+                   drafts=[{"args": FAULT_DRAFT, "env": env}])
 
 
 def expected_rows_message(T: int, tp: int = 2) -> str:

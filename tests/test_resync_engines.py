@@ -31,7 +31,7 @@ def rounds(te, de, tokens: list[int], pending: list[int], rows: torch.Tensor, po
 def test_recompute_rows_rebuilds_a_lost_draft():
     target, draft = make_models(head_std=0.5)
     te, de = engines(target, draft)
-    first, hidden, _ = te.prefill([("r", PROMPT, Sampling())])
+    first, hidden, *_ = te.prefill([("r", PROMPT, Sampling())])
     tokens = PROMPT + first
     pending, rows, position, kept = rounds(te, de, tokens, list(tokens), hidden, 0, 5)
     free, length = te.cache.num_free_blocks, te.cache.length("r")
@@ -57,7 +57,7 @@ def test_recompute_rows_rebuilds_a_lost_draft():
 def test_recompute_rows_refuses_other_tokens():
     target, draft = make_models()
     te, _ = engines(target, draft)
-    first, _, _ = te.prefill([("r", PROMPT, Sampling())])
+    first, *_ = te.prefill([("r", PROMPT, Sampling())])
     with pytest.raises(ServiceError) as e:
         te.recompute_rows([("r", PROMPT)])                                        # the first token missing
     assert e.value.code == "FAILED_PRECONDITION" and f"{len(PROMPT)} tokens" in str(e.value) \

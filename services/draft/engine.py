@@ -4,6 +4,12 @@ Alignment: the MTP layer at position i takes (embed(token[i+1]), target hidden h
 token[i+2]. Per request the cache holds `committed` positions built from target rows; positions
 beyond are this round's speculative steps (fed the MTP's own normed hidden) and are rolled back
 at the next Propose before the new committed rows are appended.
+
+Prefix caching (models/prefix_cache.py, shift 1: block j is decided by tokens[0 : (j+1)*bs + 1]): a new
+request starts on the cached blocks of its tokens. The target sends no rows for the first
+`cached_tokens` positions (its own prefix cache held them), so the draft must hold at least those;
+when it does not (its cache evicted them), it does not take the request (`not_held`), and the
+gateway re-syncs it with rows of every position (gateway/resync.py).
 """
 from __future__ import annotations
 
@@ -27,10 +33,12 @@ class ProposeItem:
     num_draft_tokens: int
     sampling: Sampling
     position: int = 0       # index of new_token_ids[0] in the request's sequence (0: new request)
+    cached_tokens: int = 0  # new request: its first positions come without rows (the target had them cached)
 
 
 class DraftEngine:
     graph_row_inputs = 1                     # CUDA graphs: the target hidden rows after the tokens
+    prefix_shift = 1                         # prefix caching: block j is decided by tokens[0 : (j+1)*bs + 1]
     def __init__(self, model, cache: PagedKVCache, max_model_len: int):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
         self.forward = model                 # or a models.cuda_graphs.GraphedForward of it
@@ -39,6 +47,8 @@ class DraftEngine:
         self.committed: dict[str, int] = {}      # request id -> committed cache positions
         self.sampling: dict[str, Sampling] = {}
         self.noise: dict[str, list[int]] = {}     # sampled requests: [seed, draws so far] (services/draft/noise.py)
+        self.tokens: dict[str, list[int]] = {}   # prefix caching: every token given (names full blocks)
+        self.not_held: set[str] = set()          # new requests of the last Propose it could not take
 
     def graphs_enabled(self, warmup_batch: int = 0) -> None:
         """CUDA graphs are on (services/launch.py): a round's steps 2..k run as one replay too (chain.py),
@@ -67,7 +77,10 @@ class DraftEngine:
                 raise ServiceError("OUT_OF_RANGE", f"request {rid!r}: position {it.position} + "
                                    f"{len(it.new_token_ids)} new tokens + {it.num_draft_tokens} drafts exceed "
                                    f"max_model_len {self.max_model_len}")
-            out[rid] = len(it.new_token_ids) - (not known)
+            if it.cached_tokens and (known or it.cached_tokens > len(it.new_token_ids) - 2):
+                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: cached_tokens is {it.cached_tokens}; "
+                                   f"it must be 0 for a running request and below the prompt's length")
+            out[rid] = len(it.new_token_ids) - (not known) - it.cached_tokens
         return out
 
     @torch.inference_mode()
@@ -80,19 +93,22 @@ class DraftEngine:
                 raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: new_token_ids holds "
                                    f"token id {bad[0]}, vocab_size is {self.vocab_size}")
         fresh = [it.request_id for it in items if it.request_id not in self.committed]
+        self.not_held, start = set(), {}
         for it in items:
             if it.request_id in fresh:
-                self.cache.allocate(it.request_id)
-                self.committed[it.request_id], self.sampling[it.request_id] = 0, it.sampling
-                if not it.sampling.greedy:
-                    self.noise[it.request_id] = [noise_seed(it.sampling), 0]
+                start[it.request_id] = self._start(it)
             else:                              # drop last round's speculative positions
                 self.cache.rollback(it.request_id, self.cache.length(it.request_id) - self.committed[it.request_id])
+            if it.request_id not in self.not_held:
+                self.tokens.setdefault(it.request_id, []).extend(it.new_token_ids)
         ids = [it.request_id for it in items]
         k = [it.num_draft_tokens for it in items]
         # step 1 appends the committed rows; each row is paired with the token after its position
-        toks = [it.new_token_ids[1:] if it.request_id in fresh else it.new_token_ids for it in items]
-        active = [b for b, t in enumerate(toks) if t]
+        toks = [it.new_token_ids[start[it.request_id] + 1:] if it.request_id in fresh else it.new_token_ids
+                for it in items]
+        skip = {it.request_id: start[it.request_id] - it.cached_tokens for it in items if it.request_id in start}
+        rows = {rid: r[skip.get(rid, 0):] for rid, r in rows.items()}       # rows of positions found cached: unused
+        active = [b for b, t in enumerate(toks) if t and ids[b] not in self.not_held]
         drafts: list[list[int]] = [[] for _ in items]
         probs: list[list[torch.Tensor]] = [[] for _ in items]
         try:
@@ -101,6 +117,7 @@ class DraftEngine:
                                     torch.cat([rows[ids[b]] for b in active]), step=0)
                 for b in active:
                     self.committed[ids[b]] = self.cache.length(ids[b])
+                    self.cache.seal(ids[b], self.tokens[ids[b]], self.committed[ids[b]])
                 ends = torch.tensor([len(toks[b]) for b in active]).cumsum(0) - 1
                 last = dict(zip(active, hidden[ends.to(hidden.device)]))       # b -> MTP hidden [D]
                 live = [b for b in active if k[b] > 0]
@@ -144,6 +161,22 @@ class DraftEngine:
                                torch.stack([last[b] for b in live]), step=s)
                 last.update(zip(live, h))
 
+    def _start(self, it: ProposeItem) -> int:
+        """A new request: its cache, on the prefix cache's blocks where it has them (never its last
+        position, whose MTP hidden drafts) -> positions found. Fewer than it.cached_tokens: not taken."""
+        rid, T = it.request_id, len(it.new_token_ids) - 1                 # T positions: tokens 1..T with rows 0..T-1
+        hit = self.cache.lookup(it.new_token_ids, T - 1) if self.cache.pool.enabled else None
+        found = hit.positions if hit else 0
+        if found < it.cached_tokens:
+            self.cache.drop(hit)
+            self.not_held.add(rid)
+            return found
+        self.cache.allocate(rid, hit)
+        self.committed[rid], self.sampling[rid] = found, it.sampling
+        if not it.sampling.greedy:
+            self.noise[rid] = [noise_seed(it.sampling), 0]
+        return found
+
     def _step(self, ids: list[str], toks: list[list[int]], hidden: torch.Tensor, step: int) -> torch.Tensor:
         batch = self.cache.prepare(ids, [len(t) for t in toks])
         tokens = torch.tensor([t for ts in toks for t in ts], device=self.cache.device)
@@ -179,5 +212,6 @@ class DraftEngine:
             n += self.committed.pop(rid, None) is not None
             self.sampling.pop(rid, None)
             self.noise.pop(rid, None)
+            self.tokens.pop(rid, None)
             self.cache.release(rid)
         return n

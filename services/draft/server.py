@@ -34,7 +34,8 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
             raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: num_draft_tokens is "
                                f"{it.num_draft_tokens}, this draft proposes at most {self.cfg.max_draft_tokens} "
                                "(--max-draft-tokens)")
-        return ProposeItem(it.request_id, list(it.new_token_ids), it.num_draft_tokens, sampling, it.position)
+        return ProposeItem(it.request_id, list(it.new_token_ids), it.num_draft_tokens, sampling, it.position,
+                           it.cached_tokens)
 
     def _gather_rows(self, request, expected: dict[str, int]) -> dict[str, torch.Tensor]:
         """Check every row set against `expected` before touching it; -> request id -> rows [n, D]."""
@@ -90,12 +91,14 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
                 transfer_s = time.perf_counter() - t0
                 with tracing.span("draft.propose", requests=len(items)):
                     results = self.group.call(DraftEngine.propose, items, rows)
+                    not_held = [it.request_id in self.engine.not_held for it in items]
                 done = time.perf_counter()
         except ServiceError as e:
             grpc_server.abort(context, e.code, str(e))
         return draft_pb2.ProposeResponse(results=[
             draft_pb2.ProposeResult(draft_token_ids=d, draft_probs=b"" if q is None else
-                                    q.float().numpy().astype("<f4").tobytes()) for d, q in results],
+                                    q.float().numpy().astype("<f4").tobytes(), not_held=n)
+            for (d, q), n in zip(results, not_held)],
             transfer_seconds=transfer_s, timing=rows_pb2.CallTiming(
                 transfer_seconds=transfer_s, compute_seconds=done - t0 - transfer_s, handler_seconds=done - t0))
 

@@ -16,10 +16,9 @@ from models.kv_cache import CacheFullError, PagedKVCache
 from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
 from services.sampling import Sampling
+from services.target import prefill as plan
 from services.target.synthetic import synthetic_accept
 
-
-LOGPROB_CHUNK = 256          # prompt positions scored per LM-head call (bounds the [rows, V] buffer)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[float, list[int], list[float]]]:
@@ -33,9 +32,11 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[
 
 
 class Prefilled(NamedTuple):
-    first: list[int]                  # the first sampled token of each item
-    hidden: torch.Tensor              # final-norm rows of every prompt position [sum T, D]
+    first: list[int]                  # the first sampled token of each item (0 while it prefills in chunks)
+    hidden: torch.Tensor              # final-norm rows of the prompt positions computed [sum T - cached, D]
     logprobs: list | None = None      # per item {"prompt": [T-1 entries], "first": entry or None}, if asked
+    cached: list[int] | None = None   # per item: positions before this call's (prefix cache / earlier chunks)
+    computed: list[int] | None = None # per item: positions in the cache after it (< len(prompt): chunked, no first)
 
 
 class Verified(NamedTuple):
@@ -51,10 +52,12 @@ class _Request:
     num_tokens: int
     sampling: Sampling
     generator: torch.Generator
+    tokens: list[int]                 # every token so far (the pending one last): names its full blocks
 
 
 class TargetEngine:
     graph_row_inputs = 0                     # CUDA graphs: tokens only
+    prefix_shift = 0                         # prefix caching: block j is decided by tokens[0 : (j+1)*bs]
     synthetic_acceptance: tuple[float, ...] | None = None   # BENCHMARK ONLY: services/target/synthetic.py
 
     def graphs_enabled(self, warmup_batch: int = 0) -> None:
@@ -65,6 +68,7 @@ class TargetEngine:
         self.forward = model                 # or a models.cuda_graphs.GraphedForward of it
         self.vocab_size = model.cfg.vocab_size
         self.requests: dict[str, _Request] = {}
+        self.partial: dict[str, tuple[int, int]] = {}    # prefilling in chunks: (positions computed, prompt length)
 
     def _check_tokens(self, rid: str, field: str, ids: list[int]) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -73,51 +77,40 @@ class TargetEngine:
                                                    f"vocab_size is {self.vocab_size}")
 
     @torch.inference_mode()
-    def prefill(self, items: list[tuple[str, list[int], Sampling]], logprobs: list[tuple[int | None, bool]] | None = None):
-        """-> Prefilled. logprobs: per item (top-n for the first token or None, whether to score the prompt)."""
+    def prefill(self, items: list[tuple[str, list[int], Sampling]], logprobs: list[tuple[int | None, bool]] | None = None,
+                budgets: list[int] | None = None):
+        """-> Prefilled. logprobs: per item (top-n for the first token or None, whether to score the prompt);
+        budgets: per item at most this many positions now (0: all; services/target/prefill.py)."""
+        scored = [bool(w[1]) for w in logprobs] if logprobs else [False] * len(items)
+        plan.check_items(self, items, scored)
         ids = [rid for rid, _, _ in items]
-        if len(set(ids)) != len(ids):
-            raise ServiceError("INVALID_ARGUMENT", "request ids in one Prefill must be unique")
-        for rid, prompt, sampling in items:
-            if rid in self.requests:
-                raise ServiceError("ALREADY_EXISTS", f"request {rid!r} is already running")
-            if not prompt:
-                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: prompt_token_ids is empty")
-            if len(prompt) >= self.max_model_len:
-                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: prompt has {len(prompt)} tokens, "
-                                                       f"max_model_len is {self.max_model_len}")
-            self._check_tokens(rid, "prompt_token_ids", prompt)
-        for rid in ids:
-            self.cache.allocate(rid)
         try:
-            hidden = self._forward({rid: p for rid, p, _ in items})
+            spans = plan.spans(self, items, scored, budgets or [0] * len(items))
+            hidden = self._forward({rid: p[s:e] for (rid, p, _), (s, e) in zip(items, spans)})
         except BaseException:
             for rid in ids:
+                self.partial.pop(rid, None)
                 self.cache.release(rid)
             raise
-        lens = torch.tensor([len(p) for _, p, _ in items])
-        last = hidden[lens.cumsum(0) - 1]                                       # [B, D]
-        gens = [s.generator() for _, _, s in items]
-        last_logits = self.model.compute_logits(last)
-        probs = self._probs(last_logits, [s for _, _, s in items])                   # [B, V]
-        first = self.model.ps.decide(torch.tensor([self._sample(probs[b], g) for b, g in enumerate(gens)])).tolist()
-        for (rid, prompt, s), tok, g in zip(items, first, gens):
-            self.requests[rid] = _Request(tok, len(prompt) + 1, s, g)
-        if logprobs is None:
-            return Prefilled(first, hidden)
-        out, start = [], 0
-        for b, ((_, prompt, _), (n, score)) in enumerate(zip(items, logprobs)):
-            entry = {"prompt": [], "first": None}
-            if score:                         # row j's logits score prompt token j + 1
-                for i in range(0, len(prompt) - 1, LOGPROB_CHUNK):
-                    j = min(i + LOGPROB_CHUNK, len(prompt) - 1)
-                    entry["prompt"] += token_logprobs(self.model.compute_logits(hidden[start + i: start + j]),
-                                                      prompt[i + 1: j + 1], n or 0)
-            if n is not None:
-                entry["first"] = token_logprobs(last_logits[b: b + 1], [first[b]], n)[0]
-            out.append(entry)
-            start += len(prompt)
-        return Prefilled(first, hidden, out)
+        done = [b for b, ((_, p, _), (_, e)) in enumerate(zip(items, spans)) if e == len(p)]
+        ends = torch.tensor([e - s for s, e in spans]).cumsum(0) - 1
+        gens = [items[b][2].generator() for b in done]
+        last_logits, sampled = None, []
+        if done:                                                                  # prompts prefilled to the end
+            last_logits = self.model.compute_logits(hidden[ends[done].to(hidden.device)])      # [B done, V]
+            probs = self._probs(last_logits, [items[b][2] for b in done])
+            sampled = self.model.ps.decide(torch.tensor([self._sample(probs[i], g) for i, g in enumerate(gens)])).tolist()
+        first = [0] * len(items)
+        for (rid, prompt, _), (_, e) in zip(items, spans):
+            self.cache.seal(rid, prompt, e)
+            self.partial[rid] = (e, len(prompt))
+        for b, tok, g in zip(done, sampled, gens):
+            rid, prompt, s = items[b]
+            del self.partial[rid]
+            first[b] = tok
+            self.requests[rid] = _Request(tok, len(prompt) + 1, s, g, list(prompt) + [tok])
+        out = None if logprobs is None else plan.score(self, items, logprobs, hidden, spans, last_logits, sampled)
+        return Prefilled(first, hidden, out, [s for s, _ in spans], [e for _, e in spans])
 
     @torch.inference_mode()
     def verify(self, items: list[tuple[str, list[int], torch.Tensor | None]], logprobs: list[int | None] | None = None):
@@ -186,6 +179,8 @@ class TargetEngine:
             toks = emitted[b, : a + 1].tolist()
             self.cache.rollback(rid, len(d) - a)                                 # drop rejected positions
             r.pending_token, r.num_tokens = toks[-1], r.num_tokens + a + 1
+            r.tokens += toks
+            self.cache.seal(rid, r.tokens, r.num_tokens - 1)                      # name full committed blocks
             out_tokens.append(toks)
             keep_rows.append(torch.arange(int(starts[b]), int(starts[b]) + a + 1))
         rows = hidden[torch.cat(keep_rows).to(hidden.device)]
@@ -225,7 +220,7 @@ class TargetEngine:
     def release(self, ids: list[str]) -> int:
         n = 0
         for rid in ids:
-            n += self.requests.pop(rid, None) is not None
+            n += (self.requests.pop(rid, None) or self.partial.pop(rid, None)) is not None
             self.cache.release(rid)
         return n
 

@@ -86,11 +86,12 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
                 raise ServiceError("INVALID_ARGUMENT", "items is empty")
             want = [(it.logprobs if it.HasField("logprobs") else None, it.prompt_logprobs) for it in request.items]
             with tracing.span("target.prefill", requests=len(items), tokens=sum(len(i[1]) for i in items)):
-                res = self.group.call(TargetEngine.prefill, items,
-                                      want if any(n is not None or p for n, p in want) else None)
+                res = self.group.call(TargetEngine.prefill, items, want if any(n is not None or p for n, p in want)
+                                      else None, [it.max_chunk_tokens for it in request.items])
             rows = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
-                              [len(i[1]) for i in items], res.hidden)
-            resp = target_pb2.PrefillResponse(first_token_ids=res.first, hidden_rows=rows)
+                              [e - c for c, e in zip(res.cached, res.computed)], res.hidden)
+            resp = target_pb2.PrefillResponse(first_token_ids=res.first, hidden_rows=rows,
+                                              num_cached_tokens=res.cached, num_computed_tokens=res.computed)
             for e in res.logprobs or []:
                 resp.logprobs.add(prompt=[logprob_pb(x) for x in e["prompt"]],
                                   first_token=logprob_pb(e["first"]) if e["first"] else None)
