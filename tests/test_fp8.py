@@ -100,7 +100,7 @@ def test_bad_quantization_is_refused_naming_the_flag(ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit):
         serve_parse(["--random-config", "tiny", "--draft-quantization", "fp4"])
     assert "--draft-quantization: invalid choice: 'fp4'" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match=re.escape("--quantization must be one of auto|none|fp8, got 'bf16'"))::
+    with pytest.raises(ConfigError, match=re.escape("--quantization must be one of auto|none|fp8, got 'bf16'")):
         preset_config("tiny").quantized("bf16")
     raw = json.loads((ckpt / "config.json").read_text())
     with pytest.raises(ConfigError, match="weight_block_size"):
