@@ -29,7 +29,8 @@ def service_devices(device: str) -> tuple[str, str]:
 
 def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_blocks: int = 2048,
                  synthetic_acceptance: tuple[float, ...] | None = None, eager: bool = False,
-                 quantization: str = "auto", draft_quantization: str = "") -> tuple[TargetEngine, DraftEngine]:
+                 quantization: str = "auto", draft_quantization: str = "",
+                 graph_batch: int = 64) -> tuple[TargetEngine, DraftEngine]:
     """Target and draft engines placed and built as the services build them (services/launch.py); the draft's
     quantization defaults to the target's."""
     from models.model import DraftModel, TargetModel
@@ -38,7 +39,8 @@ def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_
     dt = DTYPES[dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
     t_dev, d_dev = service_devices(device)
     te, de = (build_engine(engine_cls, model_cls, model, dev, dt, num_blocks=num_blocks, graphs=not eager,
-                           what="tandem bench inprocess", quantization=q)     # graphs captured now, as served
+                           graph_batch=graph_batch, what="tandem bench inprocess",
+                           quantization=q)                  # graphs captured now (up to graph_batch), as served
               for engine_cls, model_cls, dev, q in ((TargetEngine, TargetModel, t_dev, quantization),
                                                     (DraftEngine, DraftModel, d_dev, draft_quantization or quantization)))
     te.synthetic_acceptance = synthetic_acceptance
