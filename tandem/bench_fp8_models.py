@@ -27,6 +27,8 @@ def weight_bytes(model) -> int:
 
 
 def _free(device: str) -> None:
+    import gc
+    gc.collect()                       # engines hold their CUDA graphs in reference cycles
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -79,11 +81,14 @@ def _steps(engine, batches, ks, a, bw) -> list[dict]:
             for b in batches for k in ks]
 
 
-def _engine(model: str, a, quantization: str, blocks: int):
-    from models.model import TargetModel
+def _engine(model: str, a, quantization: str, blocks: int, draft: bool = False):
+    """The target's (or the MTP draft's) engine as served, CUDA graphs captured on first use."""
+    from models.model import DraftModel, TargetModel
+    from services.draft.engine import DraftEngine
     from services.launch import build_engine
     from services.target.engine import TargetEngine
-    return build_engine(TargetEngine, TargetModel, model, a.device, _dtype(a.device), num_blocks=blocks,
+    engine_cls, model_cls = (DraftEngine, DraftModel) if draft else (TargetEngine, TargetModel)
+    return build_engine(engine_cls, model_cls, model, a.device, _dtype(a.device), num_blocks=blocks,
                         max_model_len=1 << 30, graphs=True, graph_batch=0, what="tandem bench fp8",
                         quantization=quantization)
 
@@ -92,20 +97,22 @@ def v2lite_part(a) -> tuple[list[dict], str]:
     """V2-Lite bf16 then fp8, one process: K = 0 verify step at batch 1 and 32, weights memory; then fp8 K = 3
     against K = 0 greedy (in process, the served round)."""
     from models.presets import random_model_id
-    from tandem.bench_inprocess import make_engines, run_loop
+    from tandem.bench_inprocess import run_loop
     preset, batches = ("tiny", (1, 4)) if a.small else ("v2-lite", (1, 32))
     model, bw, rows = random_model_id(preset, 0), _bandwidth(a.device), []
     for q in ("none", "fp8"):
-        engine = _engine(model, a, q, blocks=max(batches) * 16 + 64)
-        held = weight_bytes(engine.model)
-        rows += [{**r, "quantization": q, "weights_gb": held / 1e9} for r in _steps(engine, batches, (0,), a, bw)]
-        del engine
-        _free(a.device)
+        if q == "fp8":
+            _free(a.device)
+        te = _engine(model, a, q, blocks=max(batches) * 16 + 64)
+        held = weight_bytes(te.model)
+        rows += [{**r, "quantization": q, "weights_gb": held / 1e9} for r in _steps(te, batches, (0,), a, bw)]
+        if q == "none":
+            del te
     base = {r["batch"]: r for r in rows if r["quantization"] == "none"}
     for r in rows:
         r["step_vs_bf16"] = r["ms"] / base[r["batch"]]["ms"]
         r["weights_vs_bf16"] = r["weights_gb"] / base[r["batch"]]["weights_gb"]
-    te, de = make_engines(model, a.device, quantization="fp8", num_blocks=256, graph_batch=0)
+    de = _engine(model, a, "fp8", blocks=256, draft=True)                   # the fp8 target's own MTP draft
     prompts = [[(17 * i + 5 * j) % 1000 + 3 for j in range(8 + i)] for i in range(4)]
     n = 4 if a.small else 32
     k0, k3 = (run_loop(te, de, prompts, k, len(prompts), n).outputs for k in (0, 3))
