@@ -20,6 +20,7 @@ import os
 import torch
 
 from kernels import dsa as _ref_dsa
+from kernels import fp8 as _ref_fp8
 from kernels import mla as _ref_mla
 from kernels import norm as _ref_norm
 from kernels import router as _ref_router
@@ -29,6 +30,7 @@ from kernels.speculative import argmax_rows, sampling_probs  # noqa: F401  (no T
 
 __all__ = ["sampling_probs", "rms_norm", "rotary", "route", "greedy_verify", "rejection_sample", "pad_rows",
            "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla", "paged_attention", "moe_path", "chain_verifier",
+           "fp8_linear",
            "attention_backend", "use_triton", "use_triton_forced",
            "triton_available", "mode"]
 
@@ -140,6 +142,14 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.
         if tr.supported(logits.shape[-1], spec):
             return tr.select(logits, bias, spec)
     return _ref_router.select(logits, bias, spec)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x [..., K], w [N, K] fp8 e4m3 with s [ceil(N/128), ceil(K/128)] block scales -> [..., N] in x's dtype
+    (kernels/fp8.py: activations quantized per token per 128 columns); the small-M Triton GEMM on CUDA."""
+    if use_triton(x) and _inference(x):
+        return importlib.import_module("kernels.triton_fp8").fp8_linear_triton(x, w, s)
+    return _ref_fp8.fp8_linear(x, w, s)
 
 
 def moe_path(x: torch.Tensor) -> str:

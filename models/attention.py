@@ -40,16 +40,17 @@ class MLAttention(nn.Module):
         self.nope, self.rope_dim, self.v_dim, self.rank = cfg.qk_nope_head_dim, P, cfg.v_head_dim, R
         self.scale = cfg.softmax_scale
         self.rotary = rotary
+        fp8 = cfg.quantization == "fp8"                 # the projections; kv_b is absorbed into the core
         if cfg.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(D, cfg.q_lora_rank, ps)
+            self.q_a_proj = ReplicatedLinear(D, cfg.q_lora_rank, ps, fp8=fp8)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, H * cfg.qk_head_dim, ps)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, H * cfg.qk_head_dim, ps, fp8=fp8)
         else:
-            self.q_proj = ColumnParallelLinear(D, H * cfg.qk_head_dim, ps)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(D, R + P, ps)
+            self.q_proj = ColumnParallelLinear(D, H * cfg.qk_head_dim, ps, fp8=fp8)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(D, R + P, ps, fp8=fp8)
         self.kv_a_layernorm = RMSNorm(R, cfg.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(R, H * (self.nope + self.v_dim), ps)
-        self.o_proj = RowParallelLinear(H * self.v_dim, D, ps)
+        self.o_proj = RowParallelLinear(H * self.v_dim, D, ps, fp8=fp8)
         self.indexer = Indexer(cfg, rotary, ps) if cfg.sparse_attention else None    # V3.2: DSA
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch | None, kv: LayerKV | None = None):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 
@@ -30,6 +30,9 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 V32_INDEXER_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+# How the linear layers hold their weights (--quantization): none = the serving dtype; fp8 = DeepSeek's e4m3
+# with a scale per 128x128 block (kernels/fp8.py); auto = the checkpoint's own (config.json quantization_config)
+QUANTIZATIONS = ("auto", "none", "fp8")
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,10 @@ class ModelConfig:
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
+    # "fp8": MLA projections (q_a, q_b / q, kv_a, o), dense MLPs, shared and routed experts hold fp8 weights and
+    # 128x128 block scales (kernels/fp8.py); norms, router, kv_b (absorbed into the attention core), the
+    # indexer, embedding and LM head keep the serving dtype. "none": every weight in the serving dtype.
+    quantization: str = "none"
 
     @property
     def qk_head_dim(self) -> int:
@@ -87,13 +94,19 @@ class ModelConfig:
         """DeepSeek-V3.2: each query attends only the index_topk keys its layer's indexer selects."""
         return self.index_topk is not None
 
+    def quantized(self, quantization: str) -> "ModelConfig":
+        """This config with --quantization applied (auto: unchanged, the checkpoint's own format)."""
+        if quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization must be one of {'|'.join(QUANTIZATIONS)}, got {quantization!r}")
+        return self if quantization == "auto" else replace(self, quantization=quantization)
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
                 and layer_idx % self.moe_layer_freq == 0)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
-        known = {f.name for f in fields(cls)} - {"rope", "eos_token_ids"}
+        known = {f.name for f in fields(cls)} - {"rope", "eos_token_ids", "quantization"}
         kw = {k: raw[k] for k in known if k in raw and raw[k] is not None}
         if "n_routed_experts" not in raw and "num_local_experts" in raw:
             kw["n_routed_experts"] = raw["num_local_experts"]
@@ -109,6 +122,7 @@ class ModelConfig:
         eos = raw.get("eos_token_id", 1)
         kw["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         kw["rope"] = _rope_from_dict(raw)
+        kw["quantization"] = _quantization_from_dict(raw)
         try:
             cfg = cls(**kw)
         except TypeError as e:
@@ -161,6 +175,18 @@ class ModelConfig:
                                          "the attention's q_a_layernorm(q_a_proj(x))")
             need(self.qk_rope_head_dim <= self.index_head_dim,
                  f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be <= index_head_dim ({self.index_head_dim})")
+
+
+def _quantization_from_dict(raw: dict) -> str:
+    """'fp8' for DeepSeek's published fp8 checkpoints (quant_method fp8, e4m3, 128x128 blocks), else 'none'."""
+    q = raw.get("quantization_config") or {}
+    if not q:
+        return "none"
+    method, fmt, block = q.get("quant_method"), q.get("fmt", "e4m3"), list(q.get("weight_block_size") or [128, 128])
+    if method != "fp8" or fmt != "e4m3" or block != [128, 128]:
+        raise ConfigError(f"config.json: quantization_config {q} is not supported; expected quant_method fp8, "
+                          "fmt e4m3, weight_block_size [128, 128] (DeepSeek's)")
+    return "fp8"
 
 
 def _rope_from_dict(raw: dict) -> RopeConfig:

@@ -45,42 +45,66 @@ def shard_param(shape, shard=None, full_shape=None, dtype=None) -> nn.Parameter:
     return p
 
 
+def linear_weight(module: nn.Module, shape, shard=None, full_shape=None, dtype=None, fp8: bool = False) -> None:
+    """module.weight [out, in] (shard as shard_param); fp8: e4m3 with module.weight_scale_inv, one fp32 scale per
+    128x128 block (kernels/fp8.py), split along the same dim, so a TP shard must be whole blocks."""
+    from kernels.fp8 import BLOCK, FP8, blocks
+    full = tuple(full_shape or shape)
+    module.weight = shard_param(shape, shard, full, dtype=FP8 if fp8 else dtype)
+    if not fp8:
+        return
+    if shard is not None and shard[2] > 1 and shape[shard[0]] % BLOCK:
+        raise ValueError(f"fp8 weights in {BLOCK}x{BLOCK} blocks: the {shard[2]}-way shard of {full} along dim "
+                         f"{shard[0]} is {shape[shard[0]]}, not a multiple of {BLOCK}")
+    module.weight_scale_inv = shard_param(tuple(blocks(n) for n in shape), shard, tuple(blocks(n) for n in full),
+                                          dtype=torch.float32)
+
+
+def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # x: [..., in] -> [..., out] by module.weight (fp8 with its block scales: kernels.dispatch.fp8_linear)
+    if hasattr(module, "weight_scale_inv"):
+        return dispatch.fp8_linear(x, module.weight, module.weight_scale_inv)
+    return F.linear(x, module.weight)
+
+
 class ReplicatedLinear(nn.Module):
     """The full matrix on every rank; `dtype` pins it (the V3.2 indexer's weights_proj stays fp32)."""
 
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState = SINGLE, dtype=None):
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState = SINGLE, dtype=None, fp8=False):
         super().__init__()
-        self.weight = shard_param((out_features, in_features), dtype=dtype)
+        linear_weight(self, (out_features, in_features), dtype=dtype, fp8=fp8)
 
     def forward(self, x):
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        return linear(self, x) if hasattr(self, "weight_scale_inv") else F.linear(x.to(self.weight.dtype), self.weight)
 
 
 class ColumnParallelLinear(nn.Module):
     """Output features split across TP ranks; each rank returns its slice (no collective)."""
 
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState = SINGLE, gather: bool = False):
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState = SINGLE, gather: bool = False,
+                 fp8: bool = False):
         super().__init__()
         self.ps, self.gather = ps, gather
-        self.weight = shard_param((ps.shard(out_features, "out_features"), in_features), (0, ps.tp_rank, ps.tp_size),
-                             (out_features, in_features))
+        linear_weight(self, (ps.shard(out_features, "out_features"), in_features), (0, ps.tp_rank, ps.tp_size),
+                      (out_features, in_features), fp8=fp8)
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = linear(self, x)
         return all_gather_cols(y, self.ps.tp_group, self.ps.tp_size) if self.gather else y
 
 
 class RowParallelLinear(nn.Module):
     """Input features split across TP ranks; partial sums all-reduced unless `reduce=False`."""
 
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState = SINGLE, reduce: bool = True):
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState = SINGLE, reduce: bool = True,
+                 fp8: bool = False):
         super().__init__()
         self.ps, self.reduce = ps, reduce
-        self.weight = shard_param((out_features, ps.shard(in_features, "in_features")), (1, ps.tp_rank, ps.tp_size),
-                             (out_features, in_features))
+        linear_weight(self, (out_features, ps.shard(in_features, "in_features")), (1, ps.tp_rank, ps.tp_size),
+                      (out_features, in_features), fp8=fp8)
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = linear(self, x)
         return all_reduce(y, self.ps.tp_group, self.ps.tp_size) if self.reduce else y
 
 

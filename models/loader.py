@@ -3,7 +3,10 @@
 Reads only the tensors (and, for split weights, only the slices) this process keeps. Accepts routed
 experts per expert (`mlp.experts.{e}.gate_proj.weight`, DeepSeek's layout) or fused as transformers 5
 writes them (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first; `mlp.experts.down_proj` [E, H, I]),
-and fp8 e4m3 weights with 128x128 block scales (`*.weight_scale_inv`), dequantized at load.
+and fp8 e4m3 weights with 128x128 block scales (`*.weight_scale_inv`): copied as they are into a model that keeps
+fp8 weights (ModelConfig.quantization "fp8": no wider copy of them is ever made, on the host or the device),
+dequantized at load into one that does not. A model that keeps fp8 but reads a wider checkpoint (--quantization
+fp8 over bf16) quantizes each weight on its own device as it lands (kernels/fp8.quantize_weight).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kernels.fp8 import FP8, dequantize_weight, quantize_weight
 from models.config import ModelConfig
 from models.parallel import ParallelState, SINGLE
 
@@ -64,14 +68,17 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
-    def read(self, name: str, index=None) -> torch.Tensor:
-        """The tensor, or `index` of it (a tuple of ints/slices), dequantized if fp8."""
+    def is_fp8(self, name: str) -> bool:
+        return self._handle(name).get_slice(name).get_dtype() in ("F8_E4M3", "F8_E5M2")
+
+    def read(self, name: str, index=None, raw: bool = False) -> torch.Tensor:
+        """The tensor, or `index` of it (a tuple of ints/slices), dequantized if fp8 (raw: as stored)."""
         sl = self._handle(name).get_slice(name)
-        if sl.get_dtype() in ("F8_E4M3", "F8_E5M2"):
+        if not raw and sl.get_dtype() in ("F8_E4M3", "F8_E5M2"):
             scale_name = name + "_scale_inv"
             if scale_name not in self.files:
                 raise CheckpointError(f"{name} is fp8 but {scale_name} is missing")
-            t = dequantize_fp8(self._handle(name).get_tensor(name), self._handle(scale_name).get_tensor(scale_name))
+            t = dequantize_weight(self._handle(name).get_tensor(name), self._handle(scale_name).get_tensor(scale_name))
             return t[index] if index is not None else t
         return sl[index] if index is not None else sl[:]
 
@@ -79,22 +86,7 @@ class Checkpoint:
         self._open.clear()
 
 
-def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    # w: [..., O, I] fp8, scale_inv: [..., ceil(O/b), ceil(I/b)] -> fp32 w * scale per 128x128 block
-    O, I = w.shape[-2:]
-    s = scale_inv.float().repeat_interleave(block, -2)[..., :O, :].repeat_interleave(block, -1)[..., :I]
-    return w.float() * s
-
-
-def quantize_fp8(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-scaled e4m3 as DeepSeek publishes V3 (used by tests and tools, not by serving)."""
-    O, I = w.shape
-    pad = torch.zeros(-(-O // block) * block, -(-I // block) * block)
-    pad[:O, :I] = w.float()
-    blocks = pad.view(pad.shape[0] // block, block, pad.shape[1] // block, block)
-    scale = blocks.abs().amax((1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-    q = (blocks / scale[:, None, :, None]).view_as(pad)[:O, :I].to(torch.float8_e4m3fn)
-    return q, scale.float()
+dequantize_fp8, quantize_fp8 = dequantize_weight, quantize_weight     # DeepSeek's format (kernels/fp8.py)
 
 
 def _shard_index(shard, full_shape, lead=()):
@@ -115,13 +107,18 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> dict:
     missing = []
     with torch.no_grad():
         for name, p in params.items():
+            if name.endswith(".weight_scale_inv"):                  # filled with its weight
+                continue
             try:
-                t, src = _read_param(ckpt, model.checkpoint_names(name), p)
+                if p.dtype == FP8:
+                    src = _load_fp8(ckpt, model.checkpoint_names(name), p, params[name + "_scale_inv"])
+                else:
+                    t, src = _read_param(ckpt, model.checkpoint_names(name), p)
+                    p.copy_(t)
             except MissingTensor as e:
                 missing.append(e.args[0])
                 continue
             used.update(src)
-            p.copy_(t)
     ckpt.close()
     if missing:       # all of them, named: a V3.2 config over a checkpoint without indexers lists every one
         many = f"{len(missing)} tensors the model needs: " if len(missing) > 1 else ""
@@ -163,6 +160,26 @@ def _read_param(ckpt: Checkpoint, candidates: list[str], p) -> tuple[torch.Tenso
     raise MissingTensor(f"tensor {candidates[0]} (expected shape {list(full)})")
 
 
+def _load_fp8(ckpt: Checkpoint, candidates: list[str], p, scale) -> list[str]:
+    """Fill fp8 weight p and its block scales: an fp8 checkpoint tensor is copied as stored (this rank's slice,
+    whole 128x128 blocks); a wider one is quantized on p's device, one tensor at a time."""
+    for name in candidates:
+        if name in ckpt and ckpt.is_fp8(name):
+            _check_shape(name, p.full_shape, ckpt.shape(name))
+            sname = name + "_scale_inv"
+            if sname not in ckpt:
+                raise CheckpointError(f"{name} is fp8 but {sname} is missing")
+            _check_shape(sname, scale.full_shape, ckpt.shape(sname))
+            p.copy_(ckpt.read(name, _shard_index(p.shard, p.full_shape), raw=True))
+            scale.copy_(ckpt.read(sname, _shard_index(scale.shard, scale.full_shape), raw=True))
+            return [name, sname]
+    t, src = _read_param(ckpt, candidates, p)
+    q, s = quantize_weight(t.to(p.device))
+    p.copy_(q)
+    scale.copy_(s)
+    return src
+
+
 def _check_shape(name, expected, actual):
     if tuple(expected) != tuple(actual):
         raise CheckpointError(f"tensor {name} has shape {list(actual)}, expected {list(expected)}")
@@ -186,8 +203,10 @@ def build(cls, cfg: ModelConfig, ps: ParallelState = SINGLE, dtype=torch.float32
     return model.eval()
 
 
-def load_model(cls, path: str | Path, ps: ParallelState = SINGLE, dtype=torch.float32, device="cpu"):
-    cfg = ModelConfig.from_file(path)
+def load_model(cls, path: str | Path, ps: ParallelState = SINGLE, dtype=torch.float32, device="cpu",
+               quantization: str = "auto"):
+    """cls of the checkpoint at `path`; quantization (models/config.QUANTIZATIONS) overrides its own format."""
+    cfg = ModelConfig.from_file(path).quantized(quantization)
     model = build(cls, cfg, ps, dtype, device)
     load_weights(model, path)
     return model

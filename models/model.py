@@ -31,7 +31,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.ps = ps
         self.self_attn = MLAttention(cfg, rotary, ps)
-        self.mlp = MoE(cfg, ps) if cfg.is_moe_layer(layer_idx) else DenseMLP(cfg.hidden_size, cfg.intermediate_size, ps)
+        self.mlp = (MoE(cfg, ps) if cfg.is_moe_layer(layer_idx) else
+                    DenseMLP(cfg.hidden_size, cfg.intermediate_size, ps, cfg.quantization == "fp8"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # SP-MoE: the partial sums around the MoE are reduce-scattered instead of all-reduced

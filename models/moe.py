@@ -19,38 +19,38 @@ from torch import nn
 from kernels import dispatch
 from kernels.router import RouteSpec
 from models.config import ModelConfig
-from models.layers import shard_param
+from models.layers import linear, linear_weight, shard_param
 from models.parallel import ParallelState, SINGLE, all_reduce
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP, column-split gate/up and row-split down over `size` ranks (no collective here)."""
+    """SwiGLU MLP, column-split gate/up and row-split down over `size` ranks (no collective here); fp8: each
+    projection holds e4m3 weights and 128x128 block scales (models/layers.linear_weight)."""
 
-    def __init__(self, dim: int, inter: int, rank: int = 0, size: int = 1):
+    def __init__(self, dim: int, inter: int, rank: int = 0, size: int = 1, fp8: bool = False):
         super().__init__()
         if inter % size:
             raise ValueError(f"intermediate size {inter} is not divisible by {size} ranks")
         part = inter // size
-        self.gate_proj = _Weight(shard_param((part, dim), (0, rank, size), (inter, dim)))
-        self.up_proj = _Weight(shard_param((part, dim), (0, rank, size), (inter, dim)))
-        self.down_proj = _Weight(shard_param((dim, part), (1, rank, size), (dim, inter)))
+        self.gate_proj = _Weight((part, dim), (0, rank, size), (inter, dim), fp8)
+        self.up_proj = _Weight((part, dim), (0, rank, size), (inter, dim), fp8)
+        self.down_proj = _Weight((dim, part), (1, rank, size), (dim, inter), fp8)
 
     def forward(self, x):
-        return F.linear(F.silu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight),
-                        self.down_proj.weight)
+        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 class _Weight(nn.Module):
-    def __init__(self, weight: nn.Parameter):
+    def __init__(self, shape, shard, full_shape, fp8: bool):
         super().__init__()
-        self.weight = weight
+        linear_weight(self, shape, shard, full_shape, fp8=fp8)
 
 
 class DenseMLP(MLP):
     """MLP of a dense layer: gate/up column-parallel, down row-parallel, then the TP all-reduce."""
 
-    def __init__(self, dim: int, inter: int, ps: ParallelState = SINGLE):
-        super().__init__(dim, inter, ps.tp_rank, ps.tp_size)
+    def __init__(self, dim: int, inter: int, ps: ParallelState = SINGLE, fp8: bool = False):
+        super().__init__(dim, inter, ps.tp_rank, ps.tp_size, fp8)
         self.ps = ps
 
     def forward(self, x):
@@ -92,11 +92,12 @@ class MoE(nn.Module):
         group, sub = ps.tp_rank // etp, ps.tp_rank % etp
         self.local = range(group * (E // ep), (group + 1) * (E // ep))
         self.gate = Router(cfg)
-        self.experts = nn.ModuleDict({str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size, sub, etp)
+        self.fp8 = cfg.quantization == "fp8"
+        self.experts = nn.ModuleDict({str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size, sub, etp, self.fp8)
                                       for e in self.local})
         if cfg.n_shared_experts:
             self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                      ps.tp_rank, tp)
+                                      ps.tp_rank, tp, self.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., D] (identical on every TP rank) -> [..., D]
@@ -112,6 +113,9 @@ class MoE(nn.Module):
     def routed(self, x, weights, ids) -> torch.Tensor:
         # x: [N, D], weights: [N, k] fp32, ids: [N, k] global expert ids -> [N, D] (this rank's experts)
         path = dispatch.moe_path(x)
+        if path == "triton" and self.fp8:
+            from kernels.triton_fp8_moe import fused_moe_fp8_triton
+            return fused_moe_fp8_triton(x, *self.prepare_for_kernels(), weights, ids, self.local.start)
         if path == "triton":
             from kernels.triton_moe import fused_moe_triton
             w13, w2 = self.prepare_for_kernels()
@@ -141,8 +145,10 @@ class MoE(nn.Module):
             y = y + self.experts[str(e)](x) * w[:, None]
         return y
 
-    def prepare_for_kernels(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's experts stacked: w13 [E_local, 2I, D] (gate rows, then up), w2 [E_local, D, I].
+    def prepare_for_kernels(self) -> tuple[torch.Tensor, ...]:
+        """This rank's experts stacked: w13 [E_local, 2I, D] (gate rows, then up), w2 [E_local, D, I]; fp8:
+        (w13, s13 [E_local, 2 ceil(I/128), ceil(D/128)] (gate blocks, then up's), w2, s2 [E_local, ceil(D/128),
+        ceil(I/128)]), kernels/triton_fp8_moe.py's layout.
 
         Built on first use; the per-expert parameters then become views into them, so there is one
         copy of the weights and the loader's in-place writes land in the stacked tensors. If the
@@ -153,12 +159,19 @@ class MoE(nn.Module):
         first, last = experts[0], experts[-1]
         st = getattr(self, "_stacked", None)
         if (st is None or first.gate_proj.weight.data_ptr() != st[0].data_ptr()
-                or last.down_proj.weight.data_ptr() != st[1][-1].data_ptr()):
-            I = first.gate_proj.weight.shape[0]
-            w13 = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts])
-            w2 = torch.stack([m.down_proj.weight for m in experts])
-            for i, m in enumerate(experts):
-                m.gate_proj.weight.data, m.up_proj.weight.data = w13[i, :I], w13[i, I:]
-                m.down_proj.weight.data = w2[i]
-            self._stacked = st = (w13, w2)
+                or last.down_proj.weight.data_ptr() != st[-2 if self.fp8 else -1][-1].data_ptr()):
+            names = ("weight", "weight_scale_inv") if self.fp8 else ("weight",)
+            st = []
+            for attr in names:
+                gate, up, down = ([getattr(getattr(m, p), attr) for m in experts]
+                                  for p in ("gate_proj", "up_proj", "down_proj"))
+                rows = gate[0].shape[0]
+                w13 = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+                w2 = torch.stack(down)
+                for i, m in enumerate(experts):
+                    getattr(m.gate_proj, attr).data = w13[i, :rows]
+                    getattr(m.up_proj, attr).data = w13[i, rows:]
+                    getattr(m.down_proj, attr).data = w2[i]
+                st.append((w13, w2))
+            self._stacked = st = tuple(t for pair in zip(*st) for t in pair) if self.fp8 else st[0]
         return st

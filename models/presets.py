@@ -56,11 +56,22 @@ V32_SLICE = dict(
     tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16",
     index_n_heads=64, index_head_dim=128, index_topk=2048,
 )
+# DeepSeek's published fp8 format (config.json's quantization_config): e4m3 weights, a scale per 128x128 block
+FP8 = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                               "weight_block_size": [128, 128]}}
+V2_LITE_FP8 = {**V2_LITE, **FP8}    # the same weights as v2-lite (same seed), kept in fp8
+# DeepSeek-V3's own shapes in its published fp8 format (hidden 7168, MLA with 128 heads, q-LoRA 1536, kv-LoRA
+# 512; 256 routed experts of 2048, top-8 in 8 groups, one shared expert) cut to 4 layers (the first dense) and
+# one MTP layer: 39 GB target + 15 GB draft in fp8 on one H200, so a decode step runs the real layer shapes.
+V3_SLICE_FP8 = {**V32_SLICE, **FP8, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                "num_hidden_layers": 4, "max_position_embeddings": 16384, "index_n_heads": None,
+                "index_head_dim": None, "index_topk": None}
 TINY = TINY_CONFIG             # CPU tests: models/tiny.py's shapes (dense first layer, 8 experts, q-LoRA, MTP)
 # the same with DSA: 8 index heads of 32, top 16 keys (selection matters from the 17th token on)
 TINY_V32 = {**TINY_CONFIG, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
             "index_n_heads": 8, "index_head_dim": 32, "index_topk": 16}
 PRESETS: dict[str, dict] = {"v2-lite": V2_LITE, "v2-lite-yarn": V2_LITE_YARN, "v32-slice": V32_SLICE,
+                            "v2-lite-fp8": V2_LITE_FP8, "v3-slice-fp8": V3_SLICE_FP8,
                             "tiny": TINY, "tiny-v32": TINY_V32}
 
 
@@ -104,22 +115,33 @@ def _param_seed(seed: int, key: str) -> int:
 
 
 def init_random_on_device_(model, seed: int):
-    """Fill every parameter in place, on its own device and dtype, seeded by (seed, name)."""
+    """Fill every parameter in place, on its own device and dtype, seeded by (seed, name). An fp8 weight draws
+    the values its unquantized twin would (in the embedding's dtype) and keeps their 128x128-block quantization."""
     import torch
+    from kernels.fp8 import FP8, quantize_weight
     from models.loader import _shard_index
     from models.model import DraftModel
     shared = {"embed_tokens.weight": "model.embed_tokens.weight"} if isinstance(model, DraftModel) else {}
+    params = dict(model.named_parameters())
+    wide = next(p.dtype for p in params.values() if p.dtype != FP8)
     gens: dict = {}
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in params.items():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+                continue
+            if name.endswith("weight_scale_inv"):                   # set with its weight
                 continue
             g = gens.setdefault(p.device, torch.Generator(device=p.device))
             g.manual_seed(_param_seed(seed, shared.get(name, name)))
             std = BIAS_STD if name.endswith("e_score_correction_bias") else WEIGHT_STD
             full, shard = tuple(getattr(p, "full_shape", p.shape)), getattr(p, "shard", None)
-            if shard is None and tuple(p.shape) == full:
+            if p.dtype == FP8:
+                q, s = quantize_weight(torch.empty(full, dtype=wide, device=p.device).normal_(0.0, std, generator=g))
+                scale = params[name + "_scale_inv"]
+                p.copy_(q[_shard_index(shard, full)])
+                scale.copy_(s[_shard_index(scale.shard, scale.full_shape)])
+            elif shard is None and tuple(p.shape) == full:
                 p.normal_(0.0, std, generator=g)
             else:                            # a TP slice: draw the full tensor, keep this rank's part
                 t = torch.empty(full, dtype=p.dtype, device=p.device).normal_(0.0, std, generator=g)
@@ -127,24 +149,26 @@ def init_random_on_device_(model, seed: int):
     return model
 
 
-def build_random(cls, model: str, ps=None, dtype=None, device="cpu"):
+def build_random(cls, model: str, ps=None, dtype=None, device="cpu", quantization: str = "auto"):
     """cls (TargetModel | DraftModel) of the random model id, built and initialized on `device`."""
     import torch
     from models.loader import build
     from models.parallel import SINGLE
     name, seed = parse_random_id(model)
-    m = build(cls, preset_config(name), ps or SINGLE, dtype or torch.float32, device)
+    m = build(cls, preset_config(name).quantized(quantization), ps or SINGLE, dtype or torch.float32, device)
     return init_random_on_device_(m, seed)
 
 
-def load_any(cls, model: str, ps=None, dtype=None, device="cpu"):
-    """A checkpoint directory (models/loader.py) or a random model id (this file)."""
+def load_any(cls, model: str, ps=None, dtype=None, device="cpu", quantization: str = "auto"):
+    """A checkpoint directory (models/loader.py) or a random model id (this file); quantization:
+    models/config.QUANTIZATIONS (auto: the checkpoint's or preset's own format)."""
     import torch
     from models.loader import load_model
     from models.parallel import SINGLE
     if parse_random_id(model) is not None:
-        return build_random(cls, model, ps, dtype, device)
-    return load_model(cls, model, ps=ps or SINGLE, dtype=dtype or torch.float32, device=device)
+        return build_random(cls, model, ps, dtype, device, quantization)
+    return load_model(cls, model, ps=ps or SINGLE, dtype=dtype or torch.float32, device=device,
+                      quantization=quantization)
 
 
 def model_config(model: str) -> ModelConfig:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from infra.defaults import HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS
+from models.config import QUANTIZATIONS
 from services.rendezvous import resolve
 from services.target.synthetic import parse_profile
 
@@ -28,6 +29,11 @@ FLAG_HELP = {
     "no_prefix_cache": "turn prefix caching off: by default full blocks of committed tokens are named by content "
                        "and shared by later requests with the same prefix (give it to target and draft alike: a "
                        "draft without it re-syncs every request the target found cached)",
+    "quantization": "weights of this service's model: fp8 (DeepSeek's e4m3 with a scale per 128x128 block: MLA "
+                    "projections, dense MLPs, shared and routed experts; norms, router, attention core and LM head keep "
+                    "--dtype; an fp8 checkpoint is kept as stored, a wider one quantized at load), none (every weight in "
+                    "--dtype; an fp8 checkpoint is dequantized) or auto (the checkpoint's own format). The draft's flag "
+                    "is its own: its MTP layer may run fp8 or not whatever the target does",
     "synthetic_acceptance": "BENCHMARK ONLY, changes the output: the target accepts each draft token with "
                             "probability P (stopping at the first rejection) instead of checking it, after the "
                             "real forward pass; greedy requests only. P, or P1,P2,... per position (conditional "
@@ -71,6 +77,7 @@ class ServiceConfig:
     cuda_graph_max_batch: int = 64   # cuda: graphs for batches up to this are captured at start (larger: lazily)
     index_scoring: str = "auto"      # V3.2 indexer: auto | exact | deployed (models/kv_cache.index_scoring_for)
     no_prefix_cache: bool = False    # prefix caching off (on: full blocks shared by content, models/prefix_cache.py)
+    quantization: str = "auto"       # auto | none | fp8 (models/config.QUANTIZATIONS; the draft's is its own)
 
     @property
     def rank_device(self) -> str:
@@ -102,6 +109,8 @@ class ServiceConfig:
              f"--hidden-transport {self.hidden_transport} needs --device cuda")
         need(self.index_scoring in ("auto", "exact", "deployed"),
              f"--index-scoring must be auto|exact|deployed, got {self.index_scoring!r}")
+        need(self.quantization in QUANTIZATIONS,
+             f"--quantization must be one of {'|'.join(QUANTIZATIONS)}, got {self.quantization!r}")
         need(self.bridge_ipc_mib > 0, f"--bridge-ipc-mib must be > 0, got {self.bridge_ipc_mib}")
         need(self.num_blocks > 0 and self.block_size > 0, "--num-blocks and --block-size must be > 0")
         need(":" in self.bridge_addr, f"--bridge-addr must be host:port, got {self.bridge_addr!r}")

@@ -23,12 +23,14 @@ log = logging.getLogger("tandem.launch")
 
 def build_engine(engine_cls, model_cls, model: str, device: str, dtype: torch.dtype, ps: ParallelState | None = None,
                  num_blocks: int = 2048, block_size: int = 16, max_model_len: int = 4096, index_scoring: str = "auto",
-                 graphs: bool = True, graph_batch: int = 64, what: str = "tandem", prefix_cache: bool = False):
+                 graphs: bool = True, graph_batch: int = 64, what: str = "tandem", prefix_cache: bool = False,
+                 quantization: str = "auto"):
     """Model -> KV cache -> engine -> CUDA graphs, as every service and benchmark builds them. model: a
     checkpoint directory or a random preset id; graphs: captured on CUDA (the draft's for each MTP layer)
-    up to graph_batch requests now (0: lazily); prefix_cache: prefix caching on (models/prefix_cache.py)."""
+    up to graph_batch requests now (0: lazily); prefix_cache: prefix caching on (models/prefix_cache.py);
+    quantization: models/config.QUANTIZATIONS."""
     try:
-        m = load_any(model_cls, model, ps=ps, dtype=dtype, device=device)
+        m = load_any(model_cls, model, ps=ps, dtype=dtype, device=device, quantization=quantization)
     except ValueError as e:                    # layout errors: heads/experts not divisible, ...
         raise SystemExit(f"{what}: {e}") from None
     mc = m.cfg
@@ -61,7 +63,7 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
                               num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
                               index_scoring=cfg.index_scoring, graphs=cfg.tp == 1 and not cfg.enforce_eager,
                               graph_batch=cfg.cuda_graph_max_batch, what=f"tandem {role}",
-                              prefix_cache=not cfg.no_prefix_cache)
+                              prefix_cache=not cfg.no_prefix_cache, quantization=cfg.quantization)
         group = RankGroup(engine, ps)
         if cfg.rank > 0:
             group.serve_worker()

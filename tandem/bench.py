@@ -1,7 +1,7 @@
 """`tandem bench acceptance`: draft acceptance of the served cluster on held-out text; the dispatcher
 of every `tandem bench` (speed: tandem/bench_speed.py, bridge: bench_bridge.py, floor: bench_floor.py,
 dsa: bench_dsa.py, overlap: bench_overlap.py,
-profile: bench_profile.py).
+profile: bench_profile.py, fp8: bench_fp8.py).
 
 Starts `tandem serve` (or uses --gateway ADDR), sends held-out code prompts with greedy and
 temperature-1 decoding at K = 1..max, and reports vLLM's metrics: mean acceptance length
@@ -183,7 +183,8 @@ def acceptance(argv) -> int:
 BENCHES = {"acceptance": "tandem.bench:acceptance", "speed": "tandem.bench_speed:main",
            "inprocess": "tandem.bench_inprocess:main", "bridge": "tandem.bench_bridge:main",
            "floor": "tandem.bench_floor:main", "dsa": "tandem.bench_dsa:main",
-           "overlap": "tandem.bench_overlap:main", "profile": "tandem.bench_profile:main"}
+           "overlap": "tandem.bench_overlap:main", "profile": "tandem.bench_profile:main",
+           "fp8": "tandem.bench_fp8:main"}
 
 
 def main(argv=None) -> int:

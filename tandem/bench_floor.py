@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--quantization", default="auto", help="auto | none | fp8 (tandem serve --help)")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--ks", default="0,3")
     p.add_argument("--prompt-tokens", type=int, default=256)
@@ -161,7 +162,8 @@ def main(argv=None) -> int:
     batches, ks = [int(x) for x in a.batches.split(",")], [int(x) for x in a.ks.split(",")]
     blocks = max(batches) * -(-(a.prompt_tokens + (a.warmup + a.iters) * (max(ks) + 1) + 16) // 16) + 8
     engine = build_engine(TargetEngine, TargetModel, model_id, device, dtype, num_blocks=blocks,   # as served
-                          max_model_len=1 << 30, graphs=not a.enforce_eager, graph_batch=0, what="tandem bench floor")
+                          max_model_len=1 << 30, graphs=not a.enforce_eager, graph_batch=0, what="tandem bench floor",
+                          quantization=a.quantization)
     model = engine.model
     rows = [measure(engine, b, k, a.prompt_tokens, a.warmup, a.iters, bw, seed=b * 100 + k)
             for b in batches for k in ks]

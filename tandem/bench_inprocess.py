@@ -28,16 +28,21 @@ def service_devices(device: str) -> tuple[str, str]:
 
 
 def make_engines(model: str, device: str = "cpu", dtype: str | None = None, num_blocks: int = 2048,
-                 synthetic_acceptance: tuple[float, ...] | None = None, eager: bool = False) -> tuple[TargetEngine, DraftEngine]:
-    """Target and draft engines placed and built as the services build them (services/launch.py)."""
+                 synthetic_acceptance: tuple[float, ...] | None = None, eager: bool = False,
+                 quantization: str = "auto", draft_quantization: str = "",
+                 graph_batch: int = 64) -> tuple[TargetEngine, DraftEngine]:
+    """Target and draft engines placed and built as the services build them (services/launch.py); the draft's
+    quantization defaults to the target's."""
     from models.model import DraftModel, TargetModel
     from services.config import DTYPES
     from services.launch import build_engine
     dt = DTYPES[dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
     t_dev, d_dev = service_devices(device)
     te, de = (build_engine(engine_cls, model_cls, model, dev, dt, num_blocks=num_blocks, graphs=not eager,
-                           what="tandem bench inprocess")          # graphs captured now, as the services do
-              for engine_cls, model_cls, dev in ((TargetEngine, TargetModel, t_dev), (DraftEngine, DraftModel, d_dev)))
+                           graph_batch=graph_batch, what="tandem bench inprocess",
+                           quantization=q)                  # graphs captured now (up to graph_batch), as served
+              for engine_cls, model_cls, dev, q in ((TargetEngine, TargetModel, t_dev, quantization),
+                                                    (DraftEngine, DraftModel, d_dev, draft_quantization or quantization)))
     te.synthetic_acceptance = synthetic_acceptance
     return te, de
 
@@ -109,6 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--synthetic-acceptance", default="", help="BENCHMARK ONLY: accept each draft with probability "
                    "P, or P1,P2,... per position (greedy; changes the output; services/target/synthetic.py)")
+    p.add_argument("--quantization", default="auto", help="auto | none | fp8 (tandem serve --help)")
+    p.add_argument("--draft-quantization", default="", help="the draft's (default: --quantization)")
     p.add_argument("--ks", default="0,3")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--requests-per-batch", type=int, default=2)
@@ -135,7 +142,9 @@ def run_grid(model: str, a, profile: str | None = None) -> list[dict]:
     from services.target.synthetic import parse_profile
     from tandem.bench import bench_prompts
     synth = parse_profile(a.synthetic_acceptance if profile is None else profile)
-    te, de = make_engines(model, a.device, a.dtype, synthetic_acceptance=synth)
+    te, de = make_engines(model, a.device, a.dtype, synthetic_acceptance=synth,
+                          quantization=getattr(a, "quantization", "auto"),
+                          draft_quantization=getattr(a, "draft_quantization", ""))
     ks = [int(x) for x in str(a.ks).split(",")]
     rows = []
     for b in (int(x) for x in str(a.batches).split(",")):

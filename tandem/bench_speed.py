@@ -182,6 +182,8 @@ def parse(argv):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--in-process", action="store_true", help="also run the grid in one process, no gRPC")
+    p.add_argument("--quantization", default="auto", help="auto | none | fp8 (tandem serve --help)")
+    p.add_argument("--draft-quantization", default="", help="the draft's (default: --quantization)")
     p.add_argument("--out", default="results/speed")
     return p.parse_known_args(argv)
 
@@ -192,7 +194,8 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
     the machine's load drifts alike for all), then in process."""
     ks = [int(x) for x in a.ks.split(",")]
     modes = a.speculation.split(",")
-    serve_args = ["--device", a.device] + (["--dtype", a.dtype] if a.dtype else [])
+    serve_args = ["--device", a.device, "--quantization", a.quantization] + (["--dtype", a.dtype] if a.dtype else [])
+    serve_args += ["--draft-quantization", a.draft_quantization] if a.draft_quantization else []
     if a.random_config:
         serve_args += ["--random-config", a.random_config, "--seed", str(a.seed)]
     if profile:
@@ -252,7 +255,8 @@ def add_roofline(rows: list[dict], model: str, a) -> float:
     dtype = DTYPES[a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
     context = a.prompt_tokens + a.max_tokens // 2                       # mean cached positions while decoding
     for r in rows:            # adaptive rows: the floor at the nearest whole k to the mean they drafted
-        r.update(round_floor_ms(model, dtype, r["batch"], round(r["mean_k"]) if r.get("speculation") == "adaptive" else r["k"], context, bw))
+        k = round(r["mean_k"]) if r.get("speculation") == "adaptive" else r["k"]
+        r.update(round_floor_ms(model, dtype, r["batch"], k, context, bw, a.quantization, a.draft_quantization))
         r["ideal_tokens_per_s"] = r["batch"] * r["mean_acceptance_length"] / (r["ideal_round_ms"] / 1000)
         r["of_ideal"] = r["tokens_per_s"] / r["ideal_tokens_per_s"]
     if device.startswith("cuda"):

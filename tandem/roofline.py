@@ -30,16 +30,16 @@ class Shapes:
 
 
 def shapes(cls, cfg, dtype: torch.dtype) -> Shapes:
-    """Byte counts of a TargetModel or DraftModel of `cfg` in `dtype`."""
-    with torch.device("meta"):
-        m = cls(cfg)
+    """Byte counts of a TargetModel or DraftModel of `cfg` in `dtype` (fp8 weights and their scales as held)."""
+    from models.loader import build
+    m = build(cls, cfg, dtype=dtype, device="meta")
     size = torch.empty((), dtype=dtype).element_size()
     dense = expert = 0
     for name, p in m.named_parameters():
         if ".experts." in name:
-            expert += p.numel() * size
+            expert += p.numel() * p.element_size()
         elif not (name.endswith("embed_tokens.weight") or name.startswith("lm_head")):
-            dense += p.numel() * size
+            dense += p.numel() * p.element_size()
     moe_layers = sum(1 for mod in m.modules() if type(mod).__name__ == "MoE")
     per_expert = expert // max(moe_layers * cfg.n_routed_experts, 1)
     kv = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * size
@@ -63,17 +63,19 @@ def step_bytes(s: Shapes, cfg, batch: int, tokens_per_request: int, context: int
 
 
 @functools.lru_cache(maxsize=8)
-def model_shapes(model: str, dtype: torch.dtype):
+def model_shapes(model: str, dtype: torch.dtype, quantization: str = "auto", draft_quantization: str = ""):
     """(config, target Shapes, draft Shapes) of a model id, counted once."""
     from models.model import DraftModel, TargetModel
     from models.presets import model_config
     cfg = model_config(model)
-    return cfg, shapes(TargetModel, cfg, dtype), shapes(DraftModel, cfg, dtype)
+    return (cfg, shapes(TargetModel, cfg.quantized(quantization), dtype),
+            shapes(DraftModel, cfg.quantized(draft_quantization or quantization), dtype))
 
 
-def round_floor_ms(model: str, dtype: torch.dtype, batch: int, k: int, context: int, bandwidth: float) -> dict:
+def round_floor_ms(model: str, dtype: torch.dtype, batch: int, k: int, context: int, bandwidth: float,
+                   quantization: str = "auto", draft_quantization: str = "") -> dict:
     """Floors in ms of the verify step (K + 1 tokens per request) and of K draft steps, and their sum."""
-    cfg, target, draft_shapes = model_shapes(model, dtype)
+    cfg, target, draft_shapes = model_shapes(model, dtype, quantization, draft_quantization)
     verify = step_bytes(target, cfg, batch, k + 1, context) / bandwidth
     draft = k * step_bytes(draft_shapes, cfg, batch, 1, context) / bandwidth if k else 0.0
     return {"verify_floor_ms": 1000 * verify, "draft_floor_ms": 1000 * draft, "ideal_round_ms": 1000 * (verify + draft)}

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infra.defaults import HIDDEN_TRANSPORTS, NUM_SPECULATIVE_TOKENS, transport_misfit
+from models.config import QUANTIZATIONS
 from tandem.supervise import Supervisor
 
 
@@ -90,6 +91,12 @@ def parse(argv):
     p.add_argument("--index-scoring", default="auto", choices=["auto", "exact", "deployed"],
                    help="DeepSeek-V3.2 sparse attention in target and draft: exact (fp32 scores, as transformers), "
                    "deployed (Hadamard + fp8 keys, as DeepSeek's kernels), auto: deployed on cuda, exact on cpu")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help="target weights: fp8 (DeepSeek's "
+                   "e4m3, a scale per 128x128 block; a bf16 checkpoint or preset is quantized at load), none (--dtype; "
+                   "an fp8 checkpoint is dequantized), auto (the checkpoint's own format)")
+    p.add_argument("--draft-quantization", default="", choices=("",) + QUANTIZATIONS, help="the MTP draft's "
+                   "weights, its own switch (default: --quantization): fp8 MTP layers are measured, not assumed, to "
+                   "keep acceptance (tandem bench fp8 --accuracy)")
     p.add_argument("--bridge-ipc-mib", type=int, default=256, help="target: the CUDA IPC ring of the hidden-row "
                    "bridge (8 slots; a larger transfer goes inline)")
     p.add_argument("--synthetic-acceptance", default="", help="BENCHMARK ONLY, changes the output: "
@@ -147,13 +154,14 @@ def commands(a) -> list[tuple[str, list[str], str]]:
     sp = ["--sequence-parallel"] if a.sequence_parallel else []
     cmds = [("target", py + ["target", "--device", t_dev, "--grpc-port", str(a.target_port), "--tp", str(a.tp),
                              "--ep", str(a.ep), "--dist-addr", f"127.0.0.1:{a.dist_port}"] + sp + common
-             + ["--bridge-ipc-mib", str(a.bridge_ipc_mib)]
+             + ["--bridge-ipc-mib", str(a.bridge_ipc_mib), "--quantization", a.quantization]
              + (["--synthetic-acceptance", a.synthetic_acceptance] if a.synthetic_acceptance else []),
              f"127.0.0.1:{a.target_port}")]
     if a.num_speculative_tokens > 0:
         cmds.append(("draft", py + ["draft", "--device", d_dev, "--grpc-port", str(a.draft_port),
                                     "--tp", str(a.draft_tp), "--dist-addr", f"127.0.0.1:{a.dist_port + 10}"]
-                     + sp + common, f"127.0.0.1:{a.draft_port}"))
+                     + sp + common + ["--quantization", a.draft_quantization or a.quantization],
+                     f"127.0.0.1:{a.draft_port}"))
     cmds.append(("gateway", py + ["gateway", *(["--random-config", a.random_config] if a.random_config
                                                 else ["--model", a.model]), "-k", str(a.num_speculative_tokens),
                                   "--speculation", a.speculation,

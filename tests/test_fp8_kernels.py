@@ -1,0 +1,269 @@
+"""DeepSeek's fp8 scheme: the PyTorch reference (kernels/fp8.py) against exact math, and the Triton kernels
+(block-scaled GEMM kernels/triton_fp8.py, fused MoE kernels/triton_fp8_moe.py) against the reference.
+
+Same two backends as tests/test_model_kernels.py: `interp` runs the kernels on CPU tensors under
+TRITON_INTERPRET=1 (set here before triton is imported, on machines without CUDA), `cuda` compiles them
+(skipped without CUDA). The interpreter multiplies the same fp8 values exactly, so it agrees with the
+reference to fp32 rounding (1e-5); on the GPU fp8 tensor cores accumulate 128-wide blocks with fewer bits and
+bf16 rounds the output: 2 % of the output's scale.
+"""
+import collections
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if not CUDA and not LATE:
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from kernels import dispatch, fp8  # noqa: E402
+from kernels.triton_fp8 import config, fp8_linear_triton  # noqa: E402
+from kernels.triton_fp8_moe import fused_moe_fp8_triton  # noqa: E402
+from triton_cubin import compile_for_gpu  # noqa: E402
+
+NO_CUDA = "needs CUDA; this machine has none (the interp cases run the same kernels on CPU)"
+BACKENDS = ["interp", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason=NO_CUDA)])]
+TOL = {"cpu": 1e-5, "cuda": 2e-2}
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    counts = collections.Counter()
+    run = InterpretedFunction.run
+
+    def counting(self, *args, **kwargs):
+        counts[self.fn.__name__] += 1
+        return run(self, *args, **kwargs)
+    monkeypatch.setattr(InterpretedFunction, "run", counting)
+    return counts
+
+
+@pytest.fixture(params=BACKENDS)
+def dev(request):
+    if request.param == "interp":
+        if not INTERP:
+            pytest.skip("CUDA is here, so this process compiles the kernels (TRITON_INTERPRET=1 runs these)")
+        return "cpu"
+    if INTERP:
+        pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted in this process, none compiled")
+    return "cuda"
+
+
+def rel(ours, ref) -> float:
+    ours, ref = ours.float().cpu(), ref.float().cpu()
+    return ((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+
+
+def quantized(*shape, seed=0, std=0.05):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) * std
+    return (w,) + fp8.quantize_weight(w)
+
+
+# --- the reference --------------------------------------------------------------------------------------------
+
+def test_weight_quantization_is_deepseeks_block_format():
+    w, q, s = quantized(300, 200, seed=1)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2) and s.dtype == torch.float32
+    for r in range(3):                                     # every block's amax lands on 448 exactly
+        for c in range(2):
+            blk = q[r * 128:(r + 1) * 128, c * 128:(c + 1) * 128].float()
+            assert blk.abs().max() == 448.0
+    err = (fp8.dequantize_weight(q, s) - w).abs() / w.abs().max()
+    assert err.max() < 2 ** -4 and err.mean() < 2 ** -7          # 3 mantissa bits
+
+
+def test_activation_quantization_per_token_per_128_columns():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 300, generator=g)
+    x[1, 128:256] *= 1000                                   # a loud group must not squash its neighbours
+    x[2] = 0                                                 # an all-zero token stays zero
+    q, s = fp8.quantize_act(x)
+    assert s.shape == (3, 3)
+    back = fp8.dequantize_act(q, s)
+    assert torch.equal(back[2], torch.zeros(300))
+    assert ((back[:2] - x[:2]).abs() <= x[:2].abs().amax(-1, keepdim=True) / 16).all()
+    assert (back[1, :128] - x[1, :128]).abs().max() < 0.2
+
+
+def test_fp8_linear_reference_close_to_exact():
+    w, q, s = quantized(256, 384, seed=3)
+    x = torch.randn(5, 384, generator=torch.Generator().manual_seed(4))
+    exact = x @ w.t()
+    y = fp8.fp8_linear(x, q, s)
+    err = (y - exact).norm() / exact.norm()
+    assert 0.005 < err < 0.06, err                      # fp8 really rounds (not a bf16 matmul), and not badly
+    assert fp8.fp8_linear(x.bfloat16(), q, s).dtype == torch.bfloat16
+
+
+# --- the kernels against the reference ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("M,N,K,split", [(1, 200, 300, None), (1, 200, 300, 3), (4, 130, 256, None),
+                                         (17, 64, 100, 1), (33, 256, 512, 2), (70, 96, 130, None)])
+def test_fp8_gemm_matches_reference(dev, M, N, K, split, launches):
+    _, q, s = quantized(N, K, seed=M + N)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(K))
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    out = fp8_linear_triton(x.to(dt).to(dev), q.to(dev), s.to(dev), split_k=split)
+    ref = fp8.fp8_linear(x.to(dt).float(), q, s)
+    assert out.shape == (M, N) and out.dtype == dt
+    assert rel(out, ref) <= TOL[dev], rel(out, ref)
+    if dev == "cpu":
+        assert launches["_gemm_kernel"] == 1
+        assert launches["_sum_splits_kernel"] == int((split or config(N, K)[0]) > 1)
+
+
+def test_split_k_config_covers_the_gpu_from_shapes_alone():
+    assert config(2048, 7168) == (8, 7)                   # 32 column blocks x 8 splits of 7 K tiles
+    assert config(24576, 1536)[0] == 1                    # q_b: 384 column blocks already
+    split, tiles = config(576, 7168)
+    assert split * tiles >= 56 and (split - 1) * tiles < 56 and split * 9 >= 200
+
+
+def expert_weights(E, D, I, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = torch.randn(E, 2 * I, D, generator=g) * 0.1, torch.randn(E, D, I, generator=g) * 0.1
+    gate = [fp8.quantize_weight(w13[e, :I]) for e in range(E)]
+    up = [fp8.quantize_weight(w13[e, I:]) for e in range(E)]
+    down = [fp8.quantize_weight(w2[e]) for e in range(E)]
+    return (torch.stack([torch.cat([a[0], b[0]]) for a, b in zip(gate, up)]),
+            torch.stack([torch.cat([a[1], b[1]]) for a, b in zip(gate, up)]),
+            torch.stack([d[0] for d in down]), torch.stack([d[1] for d in down]))
+
+
+@pytest.mark.parametrize("case", ["uneven", "ep_shard", "block_m_64", "wide", "empty"])
+def test_fp8_fused_moe_matches_reference(dev, case, launches):
+    g = torch.Generator().manual_seed(5)
+    N, D, I, E, k, first, block_m = 11, 96, 40, 8, 3, 0, None
+    if case == "wide":                                    # several 128-blocks each way, I not a multiple of 128
+        D, I = 300, 200
+    N = 0 if case == "empty" else N
+    w13, s13, w2, s2 = expert_weights(E, D, I)
+    x = torch.randn(N, D, generator=g)
+    probs = torch.tensor([8, 4, 2, 1, 1, 0, 0, 0.5])                        # experts 5, 6 get nothing
+    ids = torch.stack([torch.multinomial(probs, k, generator=g) for _ in range(N)]) if N else torch.zeros(0, k).long()
+    weights = torch.rand(N, k, generator=g)
+    if case == "ep_shard":                                                  # this rank holds experts 2..5
+        first, w13, s13, w2, s2 = 2, w13[2:6], s13[2:6], w2[2:6], s2[2:6]
+    if case == "block_m_64":
+        block_m = 64
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    ref = fp8.fused_moe_fp8(x.to(dt), w13, s13, w2, s2, weights, ids, first)
+    out = fused_moe_fp8_triton(x.to(dt).to(dev), *(t.to(dev) for t in (w13, s13, w2, s2)), weights.to(dev),
+                               ids.to(dev), first, block_m)
+    assert out.shape == (N, D) and out.dtype == dt
+    if N:
+        assert rel(out, ref) <= TOL[dev], rel(out, ref)
+        assert dev == "cuda" or launches["_gate_up_kernel"] == 1 and launches["_down_kernel"] == 1
+
+
+def test_dispatch_runs_the_reference_on_cpu_and_without_triton(monkeypatch):
+    _, q, s = quantized(64, 128)
+    x = torch.randn(2, 128)
+    monkeypatch.setenv("TANDEM_KERNELS", "reference")
+    assert torch.equal(dispatch.fp8_linear(x, q, s), fp8.fp8_linear(x, q, s))
+
+
+# --- GPU: DeepSeek-V3's decode shapes -------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERP, reason=NO_CUDA)
+@pytest.mark.parametrize("M", [1, 32, 128])
+@pytest.mark.parametrize("N,K", [(2048, 7168), (7168, 2048), (576, 7168), (24576, 1536)])
+def test_fp8_gemm_deepseek_shapes_on_cuda(M, N, K):
+    _, q, s = quantized(N, K, seed=N)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).bfloat16()
+    out = fp8_linear_triton(x.cuda(), q.cuda(), s.cuda())
+    assert rel(out, fp8.fp8_linear(x.float(), q, s)) <= TOL["cuda"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERP, reason=NO_CUDA)
+def test_fp8_rows_do_not_depend_on_their_neighbours_on_cuda():
+    """Decode (1 row) and verify (4 rows) give a request's row the same bits: K = 3 equals K = 0 in fp8."""
+    _, q, s = quantized(2048, 7168, seed=9)
+    q, s = q.cuda(), s.cuda()
+    x = torch.randn(4, 7168, device="cuda").bfloat16()
+    assert torch.equal(fp8_linear_triton(x[:1], q, s)[0], fp8_linear_triton(x, q, s)[0])
+
+
+# --- compiled for sm_90 without a GPU -------------------------------------------------------------------------
+
+COMPILE = r'''
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import triton_fp8 as tf, triton_fp8_moe as tfm
+I32 = dict(pair_ptr="*i32", blk_ptr="*i32")
+KERNELS = [(tf._gemm_kernel, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16"),
+            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, TILES=7, PRECISION="tf32")),
+           (tf._gemm_kernel, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*fp32"),
+            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, TILES=7, PRECISION="tf32")),
+           (tf._sum_splits_kernel, dict(ws_ptr="*fp32", out_ptr="*bf16"), dict(SPLIT_K=8, BLOCK=1024)),
+           (tfm._gate_up_kernel, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", h_ptr="*bf16", **I32),
+            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, K_TILES=56, PRECISION="tf32")),
+           (tfm._down_kernel, dict(h_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16",
+                                   **I32), dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, K_TILES=16, PRECISION="tf32"))]
+for fn, ptrs, consts in KERNELS:
+    sig = {a: "constexpr" if a in consts else ptrs[a] if a.endswith("_ptr") else
+           "i64" if a.startswith("s_") else "i32" for a in fn.arg_names}
+    src = ASTSource(fn, sig, {(fn.arg_names.index(a),): v for a, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", int(sys.argv[1]), 32), options=dict(num_warps=4, num_stages=3))
+    assert k.asm["cubin"], fn.__name__
+    print("compiled", fn.__name__)
+'''
+
+
+@pytest.mark.parametrize("arch", [90])                                      # H200: sm_90
+def test_fp8_kernels_compile_for_the_gpu_without_one(tmp_path, arch):
+    compile_for_gpu(COMPILE, arch, tmp_path, expected=5)
+
+
+def fill_fp8_(module, seed: int, std: float = 0.2):
+    """Random weights for a module that holds fp8 ones: N(0, std) quantized in blocks, norms one."""
+    g = torch.Generator().manual_seed(seed)
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            if name.endswith("weight_scale_inv"):
+                continue
+            w = torch.randn(p.shape, generator=g) * (0.01 if name.endswith("bias") else std)
+            if p.dtype == torch.float8_e4m3fn:
+                q, s = fp8.quantize_weight(w)
+                p.copy_(q.to(p.device))
+                params[name + "_scale_inv"].copy_(s.to(p.device))
+            else:
+                p.copy_(w.to(p.device))
+    return module
+
+
+def test_fp8_moe_module_uses_the_fp8_kernel_and_matches_its_loop(dev, monkeypatch, launches):
+    """MoE.routed with fp8 experts on the Triton path (stacked fp8 weights and scales, views) equals the
+    reference loop over fp8 experts; the loader's in-place writes reach the stacked tensors."""
+    from models.config import ModelConfig
+    from models.loader import build
+    from models.moe import MoE
+    from models.tiny import TINY_CONFIG
+    cfg = ModelConfig.from_dict(TINY_CONFIG).quantized("fp8")
+    moe = fill_fp8_(build(MoE, cfg, device=dev), 0)
+    assert moe.experts["0"].gate_proj.weight.dtype == torch.float8_e4m3fn
+    x = torch.randn(11, cfg.hidden_size, device=dev)
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    moe(x)
+    w13, s13, w2, s2 = moe._stacked
+    assert moe.experts["3"].up_proj.weight_scale_inv.data_ptr() == s13[3, 1:].data_ptr()   # I = 32: one block
+    with torch.no_grad():
+        moe.experts["3"].down_proj.weight_scale_inv.mul_(0)
+    assert s2[3].abs().max() == 0
+    got = moe(x)
+    monkeypatch.setenv(dispatch.ENV, "reference")
+    ref = moe(x)                                                            # CPU: the loop; CUDA: dense
+    assert rel(got, ref) <= TOL[dev]
+    assert dev == "cuda" or launches["_gate_up_kernel"] == 2 and launches["_gemm_kernel"] == 6   # + shared x 3
