@@ -12,25 +12,33 @@ expected committed tokens per second.
   estimated from the request's rounds (reached / accepted counts at each position, fading by
   REQUEST_DECAY a round) shrunk towards its class's figure (greedy or sampled: the live counters of all
   requests of that class, themselves starting from DEFAULT_PRIOR) with PRIOR_WEIGHT pseudo-rounds.
-- Cost. C(k) = gateway + verify_B(B + m) + [m > 0] propose(rows0, max k, m), m = sum of k, B requests:
-  gateway/spec_costs.py, fitted to the measured phase times of past rounds.
+- Cost. C(k) = gateway + verify_B(B + m) + [m > 0] propose(max k, m), m = sum of k, B requests:
+  gateway/spec_costs.py, the measured phase times of past rounds of that shape (medians, so one slow round
+  does not decide). The first Propose of a request (the draft catching up on its prompt) is paid once per
+  request whatever its k, so it is not charged to the round that happens to carry it.
 - Choice. Maximise R(k) = sum_r E[n_r(k_r)] / C(k). Since p_r(j) falls with j, request r's next draft
   is worth p_r(k_r + 1) tokens and one order serves the whole batch: sort every (r, j) by p_r(j) and
   let k(m) take the first m of them. Along that path N(m) = B + (the m largest gains) grows by ever
   smaller steps while C(m) grows by about the price of a token (plus an MTP step at each new depth, plus
   the Propose itself at m = 1); the policy evaluates R at every m (O(M log M), M = sum of caps) and
-  keeps the best, so a fixed cost is paid only when enough gain follows it. A draft token is worth
+  keeps the best: whole k are compared (k = 0 against k = 1 .. cap of every request), each with the
+  Propose's fixed cost counted once, so a fixed cost is paid only when enough gain follows it. A draft token is worth
   taking while p > R * dC/dm: at a batch where a verify token is nearly free, deep drafts of likely
   requests pay; at batch 1 on a machine where a draft step costs half a verify, none may.
   Requests with the same estimates get the same k (ties go to the shallower draft first).
+- Depth. A request held at 0 < k < its cap for SYNC_PROBE rounds drafts k + 1 once, so the figure of the
+  position past its k is measured, not left at a few early failures (a bandit's exploration).
 - Zero. A request at k = 0 while others draft still goes to the draft with 0 drafts (it catches up on
   its committed tokens, so it may draft next round); every SYNC_PROBE rounds it is probed with k = 1.
   When no request drafts, the round skips the Propose and its requests are parked (DraftState.park):
   they decode at the cost of K = 0. Every reprobe interval the longest-parked request is woken: it is
   re-synced (gateway/resync.py) and probed with k = 1. The interval is `--adaptive-reprobe-rounds`,
   or by default as often as PROBE_BUDGET of the round time allows at the measured cost of a re-sync.
-- Start-up. The first START_ROUNDS speculating rounds of each batch bucket draft the cap and 1 token
-  in turn, so the cost fits see two verify sizes and two draft depths before the policy decides.
+- Start-up. The first START_CYCLES * (cap + 1) rounds of each batch bucket with synced requests draft
+  k = cap, cap - 1, .., 0 in turn (k = 0: a Propose of no drafts, so nobody is parked), so every whole k
+  is measured START_CYCLES times before the policy decides. A bucket where no round drafted for
+  REFRESH rounds drafts its synced requests' cap once, so costs that moved (context, load) are seen
+  again; parked requests keep being probed (the wakes): parking at the start never ends the learning.
 """
 from __future__ import annotations
 
@@ -41,13 +49,15 @@ from gateway.spec_costs import CostModel, bucket
 
 DEFAULT_PRIOR = (0.8, 0.7, 0.6)   # conditional acceptance by position before any round (the last repeats)
 CLASS_WEIGHT = 2.0                # pseudo-rounds of DEFAULT_PRIOR in a class's figure
-PRIOR_WEIGHT = 3.0                # pseudo-rounds of its class's figure in a request's estimate
-REQUEST_DECAY = 0.9               # a request's evidence fades by this each round it drafts
+PRIOR_WEIGHT = 6                # pseudo-rounds of its class's figure in a request's estimate
+REQUEST_DECAY = 0.95               # a request's evidence fades by this each round it drafts
 CLASS_DECAY = 0.998               # a class's, each request-round that drafts
 SYNC_PROBE = 8                    # rounds a request stays at k = 0 beside drafting ones before a k = 1 probe
-START_ROUNDS = 4                  # speculating rounds per batch bucket that alternate cap / 1 drafts
+START_CYCLES = 3                  # start-up rounds per batch bucket: this many of each k in cap .. 0
+REFRESH = 512                     # rounds of a bucket without drafts before one round drafts the cap again
 PROBE_BUDGET = 0.01               # default re-probing of parked requests: this share of the round time
 MIN_REPROBE = 16                  # rounds, at least, between two wakes (default interval)
+MAX_REPROBE = 256                 # rounds, at most
 
 
 class Acceptance:
@@ -83,6 +93,7 @@ class RequestState:
     greedy: bool
     seen: tuple[int, int] = (0, 0)   # r.stats (num_draft_tokens, num_accepted_tokens) at the last round
     idle: int = 0                    # rounds at k = 0 while synced
+    shallow: int = 0                 # rounds at 0 < k < its cap in a row
     parked_at: int = 0               # the round it was last parked
     probing: bool = False            # woken for a probe: k >= 1 in its next speculating round
 
@@ -139,6 +150,7 @@ class AdaptivePolicy(FixedPolicy):
         self.round = 0
         self.next_wake = 0
         self.started: dict[int, int] = {}               # batch bucket -> start-up rounds run
+        self.drafted: dict[int, int] = {}               # batch bucket -> the last round that drafted
         self._last: tuple | None = None                 # the plan of the round in flight
 
     def state(self, r: GenRequest) -> RequestState:
@@ -170,11 +182,14 @@ class AdaptivePolicy(FixedPolicy):
         synced = [r for r in batch if r.draft.speculate]
         caps = [r.round_k(r.k) for r in synced]
         rows0 = sum(len(r.draft.pending) for r in synced)
-        ks = self.choose(batch, synced, caps, rows0) if synced else []
-        spec = synced if any(ks) else []
-        for r, k in zip(synced, ks):
+        ks, startup = self.choose(batch, synced, caps) if synced else ([], False)
+        spec = synced if any(ks) or startup else []
+        if spec:
+            self.drafted[bucket(len(batch))] = self.round
+        for r, k, c in zip(synced, ks, caps):
             st = self.state(r)
             r.round_cap, st.idle = k, 0 if k else st.idle + 1
+            st.shallow = st.shallow + 1 if 0 < k < c else 0
             if not spec:                     # no Propose this round: the draft falls behind on them
                 r.draft.park()
                 st.parked_at = self.round
@@ -184,18 +199,25 @@ class AdaptivePolicy(FixedPolicy):
         self.count(batch, spec)
         return spec
 
-    def choose(self, batch: list[GenRequest], synced: list[GenRequest], caps: list[int], rows0: int) -> list[int]:
-        """k of each synced request: the start-up schedule, else the best point of the gain path."""
-        n = self.started.get(bucket(len(batch)), 0)
-        if n < START_ROUNDS and any(caps):
-            self.started[bucket(len(batch))] = n + 1
-            return [min(c, self.cap if n % 2 == 0 else 1) for c in caps]
+    def choose(self, batch: list[GenRequest], synced: list[GenRequest], caps: list[int]) -> tuple[list[int], bool]:
+        """-> k of each synced request (the start-up schedule, a refresh, else the best point of the gain
+        path) and whether this is a start-up round (sent to the draft even at k = 0)."""
+        b, top = bucket(len(batch)), max(caps)
+        n = self.started.get(b, 0)
+        if n < START_CYCLES * (top + 1) and top:
+            self.started[b] = n + 1
+            return [min(c, top - n % (top + 1)) for c in caps], True
+        if self.round - self.drafted.setdefault(b, self.round) >= REFRESH and top:
+            return caps, False
         forced = []
         for r, c in zip(synced, caps):
-            st = self.state(r)
-            forced.append(1 if c > 0 and (st.probing or st.idle >= SYNC_PROBE) else 0)
+            st, last = self.state(r), r.round_cap or 0
+            if c > 0 and (st.probing or st.idle >= SYNC_PROBE):
+                forced.append(1)
+            else:                   # one draft deeper now and then, so the next position's figure stays live
+                forced.append(min(c, last + 1) if 0 < last < c and st.shallow >= SYNC_PROBE else 0)
         gains = [self.gains(r, c) for r, c in zip(synced, caps)]
-        return best_path(gains, forced, len(batch), rows0, self.costs)
+        return best_path(gains, forced, len(batch), 0, self.costs), False
 
     def observe(self, batch: list[GenRequest], split: dict[str, float]) -> None:
         drafted = 0
@@ -244,7 +266,7 @@ class AdaptivePolicy(FixedPolicy):
         round_s = self.costs.round_s(batch, 0, 0, 0)
         if round_s <= 0:
             return MIN_REPROBE
-        return int(min(1 << 20, max(MIN_REPROBE, probe / (PROBE_BUDGET * round_s))))
+        return int(min(MAX_REPROBE, max(MIN_REPROBE, probe / (PROBE_BUDGET * round_s))))
 
 
 def best_path(gains: list[list[float]], forced: list[int], batch: int, rows0: int, costs: CostModel) -> list[int]:

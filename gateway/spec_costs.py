@@ -1,90 +1,119 @@
-"""What a speculative round costs, as the adaptive policy (gateway/adaptive.py) predicts it: fitted live to
-the phase times the scheduler measures each round (its round split: verify and propose are the RPC walls,
-gateway the rest; gateway/request.py Observer.round_split) and to the re-syncs' times.
+"""What a speculative round costs, as the adaptive policy (gateway/adaptive.py) predicts it: measured live from
+the phase times the scheduler takes each round (its round split: verify and propose are the RPC walls,
+gateway the rest; gateway/request.py Observer.round_split) and from the re-syncs' times.
 
-    round(B, m, rows0, steps) = gateway + verify_B(B + m) + [m > 0] propose(rows0, steps, m)
+    round(B, m, steps) = gateway + verify(B, B + m) + [m > 0] propose(B, steps, m)
 
-- verify_B(T) = v0 + v1 T: one line per batch bucket (B = 1, 2, 3-4, 5-8, ... : ceil(log2 B)), since the
-  price of one more token falls with the batch (a MoE verify at batch 1 reads more experts for each extra
-  token; at batch 32 it reads them all anyway). T = B + m tokens: one per request and its m drafts.
-- propose = p0 + p1 rows0 + p2 steps + p3 m: the RPC and row transfer (p0), the draft's catch-up step over
-  the rows0 committed tokens it is given, one MTP step per draft depth (steps = the largest k) and one
-  row per draft token (m = sum of k). No Propose (m = 0) costs nothing.
+- verify(B, T): T = B + m tokens, one per request and its m drafts; lines per batch bucket (B = 1, 2, 3-4,
+  5-8, ... : ceil(log2 B)), since the price of one more token falls with the batch (a MoE verify at batch 1
+  reads more experts for each extra token; at batch 32 it reads them all anyway).
+- propose(B, steps, m): the RPC and its B requests, one MTP step per draft depth (steps = the largest k)
+  and one row per draft token (m = sum of k). No Propose (m = 0) costs nothing. The draft's catch-up over a
+  new request's committed tokens (its first Propose, or a re-sync's) is paid once per request, not per
+  round: such rounds are kept out of propose(), and give the catch-up's price per row (probe_s).
 - gateway: the round less both RPCs, a moving average.
 
-Each fit is least squares over the recent rounds (weights decay by DECAY a round: costs move with the
-context length and the machine's load), ridge-regularised towards a prior (a new bucket starts from its
-nearest measured neighbour) so that a fit with few rounds, or with no spread in its inputs (every round
-the same T), stays near what is known instead of wandering. Predictions use no negative coefficient: an
-extra token or step never looks like a saving.
+Each (B, T) of verify and each (B, steps, m) of propose keeps the median of its last WINDOW measurements:
+what a round of exactly that shape costs, read directly. One slow round (a first call of a shape, a kernel
+compiled on first use, a neighbour's burst on the machine) cannot move a median of three. Shapes not
+measured yet are read off a line fitted to the measured ones (weighted by their counts, fading with age;
+no negative slope: one more token or step never looks like a saving); a bucket with no measurement at all
+borrows its nearest measured neighbour's line.
 """
 from __future__ import annotations
 
-DECAY = 0.97            # weight of a past round, per newer round (about 30 rounds of memory)
-RIDGE = 1.0             # the prior counts as this many rounds
-SPREAD = 0.2            # an input varying by this share of its scale (std) measures its coefficient
-RECENT = 0.7            # decay of the sums that tell whether an input varied lately
-PIN = 1000.0            # ridge (in rounds) holding a coefficient whose input did not vary lately
+from collections import deque
+from statistics import median
+
+WINDOW = 5              # measurements kept per shape (their median is its cost)
+TRUST = 3               # measurements of a shape before its own median is used instead of the line
+AGE = 0.98              # weight of a shape in the line, per round since its last measurement
+GATEWAY_RATE = 0.1      # moving average of the gateway's share of a round
 
 
-class Fit:
-    """y ~ theta . x (x[0] = 1) by exponentially weighted least squares, ridge-regularised towards `prior`
-    (feature i's ridge is RIDGE * scale[i] ** 2: deviating by d in theta_i costs as much as an error of
-    scale[i] * d on one round). The prior follows the fit in each direction the recent rounds spread
-    over (a coefficient seen only through a constant input keeps its last well-measured value, not
-    zero: it is pinned there until its input varies again); without a prior (`informed` False) the ridge
-    is only a guard against a singular system."""
+class Shape:
+    """The last WINDOW measurements of one round shape, and when it was last measured."""
 
-    def __init__(self, prior: list[float], scale: list[float], informed: bool):
-        self.prior, self.scale, self.informed = list(prior), list(scale), informed
-        size = len(prior)
-        self.sxx = [[0.0] * size for _ in range(size)]
-        self.sxy = [0.0] * size
-        self.theta, self.n = list(prior), 0.0
-        self.recent = [[0.0] * size, [0.0] * size, 0.0]      # fast-decaying sums of x, x^2 and the count
+    def __init__(self):
+        self.obs: deque[float] = deque(maxlen=WINDOW)
+        self.last = 0
 
-    def add(self, x: list[float], y: float) -> None:
-        size = len(x)
-        for i in range(size):
-            self.sxy[i] = DECAY * self.sxy[i] + x[i] * y
-            row = self.sxx[i]
-            for j in range(size):
-                row[j] = DECAY * row[j] + x[i] * x[j]
-        self.n = DECAY * self.n + 1
-        s1, s2, _ = self.recent
-        for i in range(size):
-            s1[i], s2[i] = RECENT * s1[i] + x[i], RECENT * s2[i] + x[i] * x[i]
-        self.recent[2] = n = RECENT * self.recent[2] + 1
-        varied = [i == 0 or s2[i] / n - (s1[i] / n) ** 2 >= (SPREAD * self.scale[i]) ** 2 for i in range(size)]
-        # a coefficient whose input has not varied lately is pinned to its last measured value
-        ridge = [(RIDGE if v else PIN) * sc ** 2 if self.informed else 1e-3 * sc ** 2 for v, sc in zip(varied, self.scale)]
-        a = [[self.sxx[i][j] + (ridge[i] if i == j else 0.0) for j in range(size)] for i in range(size)]
-        self.theta = solve(a, [self.sxy[i] + ridge[i] * self.prior[i] for i in range(size)])
-        self.prior[0] = self.theta[0]
-        for i in range(1, size):
-            if varied[i]:
-                self.prior[i], self.informed = self.theta[i], True
+    def add(self, y: float, now: int) -> None:
+        self.obs.append(y)
+        self.last = now
 
-    def predict(self, x: list[float]) -> float:
-        return sum(max(0.0, t) * v for t, v in zip(self.theta, x))
+    @property
+    def value(self) -> float:
+        return median(self.obs)
+
+
+class Table:
+    """Costs by shape (a tuple of inputs): the shape's own median when measured TRUST times, else a linear fit
+    y ~ c0 + c . x over the measured shapes' medians (module docstring)."""
+
+    def __init__(self):
+        self.shapes: dict[tuple, Shape] = {}
+        self.coef: list[float] | None = None       # [c0, c1, ...] of the line; None until something is measured
+
+    def add(self, x: tuple, y: float, now: int) -> None:
+        self.shapes.setdefault(x, Shape()).add(y, now)
+        self.coef = line(self.shapes, now)
+
+    def predict(self, x: tuple) -> float | None:
+        s = self.shapes.get(x)
+        if s is not None and len(s.obs) >= TRUST:
+            return s.value
+        if self.coef is None:
+            return None
+        return max(0.0, self.coef[0] + sum(c * v for c, v in zip(self.coef[1:], x)))
+
+
+def line(shapes: dict[tuple, Shape], now: int) -> list[float]:
+    """Weighted least squares of the shapes' medians on their inputs, with no negative slope (a feature whose
+    slope comes out negative is dropped and the rest refitted); ridge-guarded against inputs that do not vary."""
+    trusted = {x: s for x, s in shapes.items() if len(s.obs) >= TRUST}
+    if len(trusted) >= 2:               # a shape measured once or twice (maybe a slow first call) stays out
+        shapes = trusted
+    pts = [(x, s.value, len(s.obs) * AGE ** (now - s.last)) for x, s in shapes.items()]
+    size = 1 + len(pts[0][0])
+    active = list(range(1, size))
+    while True:
+        cols = [0] + active
+        a = [[sum(w * feat(x, i) * feat(x, j) for x, _, w in pts) + (1e-6 if i == j and i else 0.0) for j in cols]
+             for i in cols]
+        b = [sum(w * feat(x, i) * y for x, y, w in pts) for i in cols]
+        theta = solve(a, b)
+        neg = [c for c, t in zip(cols[1:], theta[1:]) if t < 0]
+        if not neg:
+            coef = [0.0] * size
+            for c, t in zip(cols, theta):
+                coef[c] = t
+            return coef
+        active.remove(min(neg, key=lambda c: theta[cols.index(c)]))
+
+
+def feat(x: tuple, i: int) -> float:
+    return 1.0 if i == 0 else float(x[i - 1])
 
 
 def solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """a x = b for a small symmetric positive definite a (Gaussian elimination with partial pivoting)."""
+    """a x = b for a small symmetric positive semi-definite a (Gaussian elimination with partial pivoting;
+    a direction with no information gets 0)."""
     size = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
     for c in range(size):
         p = max(range(c, size), key=lambda r: abs(m[r][c]))
         m[c], m[p] = m[p], m[c]
         if abs(m[c][c]) < 1e-300:
-            return [0.0] * size
+            continue
         for r in range(c + 1, size):
             f = m[r][c] / m[c][c]
             for j in range(c, size + 1):
                 m[r][j] -= f * m[c][j]
     x = [0.0] * size
     for c in reversed(range(size)):
-        x[c] = (m[c][size] - sum(m[c][j] * x[j] for j in range(c + 1, size))) / m[c][c]
+        if abs(m[c][c]) >= 1e-300:
+            x[c] = (m[c][size] - sum(m[c][j] * x[j] for j in range(c + 1, size))) / m[c][c]
     return x
 
 
@@ -97,44 +126,50 @@ class CostModel:
     """Seconds of a round's parts, predicted from the rounds measured so far (module docstring)."""
 
     def __init__(self):
-        self.verify: dict[int, Fit] = {}
-        self.propose = Fit([0.0, 0.0, 0.0, 0.0], [1.0, 64.0, 2.0, 16.0], informed=False)
+        self.verify: dict[int, Table] = {}
+        self.propose = Table()
         self.gateway = 0.0
+        self.rounds = 0
+        self.catchup = Shape()                            # propose seconds per catch-up row (first Proposes)
         self.resync_per_token: float | None = None       # seconds a re-sync takes per committed token
 
-    def _verify_fit(self, b: int) -> Fit:
-        fit = self.verify.get(b)
-        if fit is None:                 # a new bucket starts where its nearest measured neighbour is
-            near = min((k for k, f in self.verify.items() if f.n > 0), key=lambda k: abs(k - b), default=None)
-            prior = list(self.verify[near].theta) if near is not None else [0.0, 0.0]
-            fit = self.verify[b] = Fit(prior, [1.0, float(1 << b)], informed=near is not None)
-        return fit
-
     def verify_s(self, batch: int, tokens: int) -> float:
-        return self._verify_fit(bucket(batch)).predict([1.0, float(tokens)])
+        b = bucket(batch)
+        t = self.verify.get(b)
+        y = t.predict((batch, tokens)) if t is not None else None
+        if y is None:                   # a new bucket: its nearest measured neighbour's line
+            near = min((k for k, f in self.verify.items() if f.coef), key=lambda k: abs(k - b), default=None)
+            y = 0.0 if near is None else self.verify[near].predict((batch, tokens)) or 0.0
+        return y
 
-    def propose_s(self, rows0: int, steps: int, drafts: int) -> float:
-        return self.propose.predict([1.0, float(rows0), float(steps), float(drafts)]) if drafts else 0.0
+    def propose_s(self, batch: int, steps: int, drafts: int) -> float:
+        return (self.propose.predict((batch, steps, drafts)) or 0.0) if drafts else 0.0
 
-    def round_s(self, batch: int, drafts: int, rows0: int, steps: int) -> float:
-        """A round of `batch` requests with `drafts` draft tokens in all, at most `steps` per request."""
-        return self.gateway + self.verify_s(batch, batch + drafts) + self.propose_s(rows0, steps, drafts)
+    def round_s(self, batch: int, drafts: int, rows0: int = 0, steps: int = 0) -> float:
+        """A round of `batch` requests with `drafts` draft tokens in all, at most `steps` per request (rows0,
+        the committed rows the draft catches up on, is a once-per-request cost: not charged to the round)."""
+        return self.gateway + self.verify_s(batch, batch + drafts) + self.propose_s(batch, steps, drafts)
 
     def measured(self, batch: int) -> int:
-        """Rounds (decayed) the verify fit of this batch's bucket has seen."""
-        fit = self.verify.get(bucket(batch))
-        return 0 if fit is None else round(fit.n)
+        """Shapes the verify table of this batch's bucket has measured."""
+        t = self.verify.get(bucket(batch))
+        return 0 if t is None else len(t.shapes)
 
     # --- observations --------------------------------------------------------------------------------
     def observe_round(self, batch: int, tokens: int, split: dict[str, float], propose: tuple | None) -> None:
         """One round's split (seconds by phase); propose: (rows0, steps, drafts) when its Propose drafted."""
+        self.rounds += 1
         if "verify" in split:
-            self._verify_fit(bucket(batch)).add([1.0, float(tokens)], split["verify"])
+            self.verify.setdefault(bucket(batch), Table()).add((batch, tokens), split["verify"], self.rounds)
         if propose is not None and split.get("propose", 0.0) > 0:
             rows0, steps, drafts = propose
-            self.propose.add([1.0, float(rows0), float(steps), float(drafts)], split["propose"])
+            if rows0 <= 2 * (batch + drafts):          # a steady round: about the last round's tokens
+                self.propose.add((batch, steps, drafts), split["propose"], self.rounds)
+            else:                                     # a catch-up: what it cost beyond a steady round, per row
+                extra = split["propose"] - self.propose_s(batch, steps, drafts)
+                self.catchup.add(max(0.0, extra) / rows0, self.rounds)
         if "gateway" in split:
-            self.gateway += (1 - DECAY) * 3 * (max(0.0, split["gateway"]) - self.gateway)
+            self.gateway += GATEWAY_RATE * (max(0.0, split["gateway"]) - self.gateway)
 
     def observe_resync(self, tokens: int, seconds: float) -> None:
         if tokens > 0:
@@ -142,9 +177,11 @@ class CostModel:
             old = self.resync_per_token
             self.resync_per_token = per if old is None else old + 0.25 * (per - old)
 
-    def probe_s(self, tokens: int) -> float:
-        """A re-sync of a request of `tokens` committed tokens and its probe round (Propose of them, 1 draft)."""
+    def probe_s(self, tokens: int, batch: int = 1) -> float:
+        """A re-sync of a request of `tokens` committed tokens and its probe round (the draft's catch-up over
+        them, 1 draft)."""
         per = self.resync_per_token
-        if per is None:                 # never measured: as much as the draft's catch-up, twice
-            per = max(self.propose.theta[1], 0.0)
-        return per * tokens + self.propose_s(tokens, 1, 1)
+        if per is None:                 # never measured: as much as the draft's catch-up
+            per = 0.0
+        row = self.catchup.value if self.catchup.obs else 0.0
+        return (per + row) * tokens + self.propose_s(batch, 1, 1)

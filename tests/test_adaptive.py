@@ -8,7 +8,7 @@ import pytest
 
 from gateway.adaptive import SYNC_PROBE, AdaptivePolicy, FixedPolicy, best_path
 from gateway.request import GenRequest
-from gateway.spec_costs import CostModel, Fit
+from gateway.spec_costs import CostModel
 from tandem.v1 import rows_pb2
 
 CHEAP = dict(v0=0.006, vb=0.0003, ve=0.0001, p0=0.0005, p1=1e-6, p2=0.0002, p3=1e-5)      # verify and drafts cheap
@@ -113,11 +113,13 @@ def test_fixed_policy_keeps_each_request_at_its_k():
 
 def test_best_path_pays_a_fixed_cost_only_when_enough_gain_follows():
     costs = CostModel()
-    for t in (8, 40, 8, 40):
-        costs.observe_round(8, t, {"verify": 0.010 + 0.0001 * t}, None)
-    for rows0, steps, m in ((8, 4, 32), (8, 1, 8), (30, 4, 32), (30, 1, 8), (8, 2, 16)):
-        costs.observe_round(8, 8 + m, {"propose": 0.005 + 0.001 * steps + 1e-5 * rows0}, (rows0, steps, m))
+    for _ in range(3):
+        for t in (8, 16, 24, 32):
+            costs.observe_round(8, t, {"verify": 0.010 + 0.0001 * t}, None)
+        for steps, m in ((3, 24), (1, 8), (2, 16)):
+            costs.observe_round(8, 8 + m, {"propose": 0.005 + 0.001 * steps}, (8, steps, m))
     assert costs.verify_s(8, 24) == pytest.approx(0.0124, rel=0.02)
+    assert costs.verify_s(8, 12) == pytest.approx(0.0112, rel=0.02)          # not measured: the line
     assert costs.propose_s(8, 3, 24) == pytest.approx(0.008, rel=0.05)
     # one tempting draft alone does not pay for a Propose; eight of them do
     assert best_path([[0.9]] + [[0.0]] * 7, [0] * 8, 8, 8, costs) == [0] * 8
@@ -127,14 +129,20 @@ def test_best_path_pays_a_fixed_cost_only_when_enough_gain_follows():
     assert best_path([[0.01]] * 8, [1] + [0] * 7, 8, 8, costs) == [1] + [0] * 7
 
 
-def test_fit_keeps_a_slope_it_cannot_see_now():
-    fit = Fit([0.0, 0.0], [1.0, 4.0], informed=False)
-    for t in (1, 5) * 5:
-        fit.add([1.0, t], 0.006 + 0.0004 * t)
-    for i in range(100):        # then only T = 1 while the context grows: the slope stays, the intercept follows
-        fit.add([1.0, 1.0], 0.0064 + 2e-5 * i)
-    assert fit.theta[1] == pytest.approx(0.0004, rel=0.2)
-    assert fit.predict([1.0, 1.0]) == pytest.approx(0.0064 + 2e-5 * 99, rel=0.1)     # about 30 rounds behind
+def test_a_shape_costs_the_median_of_its_rounds():
+    """One slow round (a first call) moves neither its shape's cost nor the line through the others; a
+    catch-up Propose (a new request's prompt) is kept out of the round's price."""
+    costs = CostModel()
+    for i, y in enumerate((0.200, 0.0081, 0.0079, 0.0080)):
+        costs.observe_round(1, 4, {"verify": y}, None)
+        costs.observe_round(1, 1, {"verify": 0.2 if i == 0 else 0.006}, None)
+    assert costs.verify_s(1, 4) == pytest.approx(0.0080, rel=0.02)
+    assert costs.verify_s(1, 2) == pytest.approx(0.0067, rel=0.05)
+    for y in (0.0045, 0.0044, 0.0046):
+        costs.observe_round(1, 4, {"propose": y}, (2, 3, 3))
+    costs.observe_round(1, 4, {"propose": 0.0045 + 65 * 2e-5}, (65, 3, 3))
+    assert costs.propose_s(1, 3, 3) == pytest.approx(0.0045, rel=0.02)
+    assert costs.probe_s(100) == pytest.approx(100 * 2e-5 + costs.propose_s(1, 1, 1), rel=0.05)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -68,11 +68,11 @@ class PolicyK:
     engine is fed every request each round (a parked one proposes 0 drafts: in process nothing is saved)."""
 
     def __init__(self, ids, cap: int, cost_per_draft: float):
-        from gateway.adaptive import START_ROUNDS, AdaptivePolicy
+        from gateway.adaptive import AdaptivePolicy
         from gateway.request import GenRequest
         from tandem.v1 import rows_pb2
         self.policy = AdaptivePolicy(cap)
-        self.policy.started = {b: START_ROUNDS for b in range(16)}          # no start-up schedule: costs are given
+        self.policy.started = {b: 1 << 30 for b in range(16)}               # no start-up schedule: costs are given
         self.policy.costs.round_s = lambda batch, m, rows0, steps: batch + cost_per_draft * m
         self.reqs = {r: GenRequest(id=r, prompt_ids=[1], max_tokens=1 << 20, k=cap, text=None,
                                    sampling=rows_pb2.SamplingParams(temperature=1.0)) for r in ids}
