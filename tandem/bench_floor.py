@@ -58,7 +58,7 @@ class ExpertCounter:
 
     def _hook(self, name):
         def hook(_module, _inputs, output):
-            if self.active:                          # off in graph capture (a host read) and replays
+            if self.active and not torch.cuda.is_current_stream_capturing():   # a host read: never in a capture
                 self.touched.setdefault(name, set()).update(output[1].flatten().tolist())
         return hook
 
