@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-windows", type=int, default=0, help="score only the first N windows (0: the whole stream)")
     p.add_argument("--out", default="", help="write the result as JSON here")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
     target, draft = (load_model(cls, model, dtype=torch.float32, device=a.device) for cls in (TargetModel, DraftModel))
     t0 = time.time()
-    r = evaluate(target, draft, held, c, 0, token_bytes(tok))
+    r = evaluate(target, draft, held, c, a.max_windows, token_bytes(tok))
     r.update(model=str(model), files=len(listed["files"]), heldout_tokens=held.numel(), device=a.device,
              autocast=str(dtype).split(".")[-1], seconds=time.time() - t0,
              text_bytes=sum(len((root / f).read_text(errors="ignore").encode()) for f in listed["files"]))
