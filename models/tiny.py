@@ -36,11 +36,29 @@ def init_random_(model: torch.nn.Module, seed: int, std: float = 0.02) -> torch.
     return model
 
 
-def train_tokenizer(texts, vocab_size: int, path: Path) -> None:
-    """Byte-level BPE with <s>, </s>, <pad> as ids 1, 2, 0 (matches the configs here)."""
+# Pre-tokens for code, tried in this order at each position: one line break alone (so no token spans a
+# line boundary: the tokens of a prompt cut after "\n" are a prefix of the tokens of prompt + continuation);
+# a word (letters, digits, "_") with at most one space or punctuation character before it; up to three
+# digits with an optional space; a run of punctuation with an optional space; a run of spaces/tabs that ends
+# before a non-space is given all but its last character (indentation, its last space joins the next word);
+# other runs of spaces/tabs. No pattern matches "\n" except the first, and the only look-ahead, (?!\S), sees
+# the "\n" itself at a line's end, so nothing after a line break changes the pre-tokens before it.
+CODE_SPLIT = (r"\n|(?: |[^\s\p{L}\p{N}_])?[\p{L}_][\p{L}\p{N}_]*| ?\p{N}{1,3}| ?[^\s\p{L}\p{N}_]+"
+              r"|[^\S\n]+(?!\S)|[^\S\n]+")
+
+
+def code_pre_tokenizer():
+    from tokenizers import Regex, pre_tokenizers
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(CODE_SPLIT), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def train_tokenizer(texts, vocab_size: int, path: Path, pre_tokenizer=None) -> None:
+    """Byte-level BPE over code pre-tokens (CODE_SPLIT, unless another pre_tokenizer is given) with <s>,
+    </s>, <pad> as ids 1, 2, 0."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizer or code_pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)

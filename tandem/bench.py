@@ -1,7 +1,8 @@
 """`tandem bench acceptance`: draft acceptance of the served cluster on held-out text; the dispatcher
 of every `tandem bench` (speed: tandem/bench_speed.py, bridge: bench_bridge.py, floor: bench_floor.py,
 dsa: bench_dsa.py, overlap: bench_overlap.py,
-profile: bench_profile.py, fp8: bench_fp8.py).
+profile: bench_profile.py, fp8: bench_fp8.py, steps: bench_steps.py, heldout: bench_heldout.py,
+nextline: bench_nextline.py).
 
 Starts `tandem serve` (or uses --gateway ADDR), sends held-out code prompts with greedy and
 temperature-1 decoding at K = 1..max, and reports vLLM's metrics: mean acceptance length
@@ -28,8 +29,10 @@ import grpc
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 
-def heldout_prompts(model: Path, n: int, prompt_chars: int, seed: int) -> list[str]:
-    """Prompts cut from the held-out files the model card names (else the stdlib's own files)."""
+def heldout_prompts(model: Path, n: int, prompt_chars: int, seed: int, end_at_line: bool = True) -> list[str]:
+    """Prompts cut from the held-out files the model card names (else the stdlib's own files): each starts at
+    a line and ends after a line break (end_at_line: how code-completion prompts end), else after exactly
+    prompt_chars characters."""
     root = Path(os.__file__).parent
     listed = model / "heldout_files.json"
     names = json.loads(listed.read_text())["files"] if listed.exists() else []
@@ -45,7 +48,10 @@ def heldout_prompts(model: Path, n: int, prompt_chars: int, seed: int) -> list[s
         if len(text) > prompt_chars * 2:
             start = rng.randrange(0, len(text) - prompt_chars)
             start = text.rfind("\n", 0, start) + 1           # start at a line
-            out.append(text[start:start + prompt_chars])
+            end = start + prompt_chars
+            end = text.rfind("\n", start, end) + 1 if end_at_line else end
+            if end > start:
+                out.append(text[start:end])
     return out
 
 
@@ -154,7 +160,8 @@ def acceptance(argv) -> int:
     p.add_argument("--gateway", default=None, help="use a running gateway (HOST:PORT) instead of starting one")
     p.add_argument("--max-k", type=int, default=4)
     p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--prompt-chars", type=int, default=600)
+    p.add_argument("--prompt-chars", type=int, default=600, help="at most this long, cut after a line break")
+    p.add_argument("--mid-line", action="store_true", help="cut prompts at exactly --prompt-chars instead")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--concurrency", type=int, default=8)
@@ -167,14 +174,15 @@ def acceptance(argv) -> int:
         proc, a.gateway, _ = start_cluster(model, a.max_k, extra)
     try:
         stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(a.gateway))
-        prompts = heldout_prompts(Path(model), a.prompts, a.prompt_chars, a.seed)
+        prompts = heldout_prompts(Path(model), a.prompts, a.prompt_chars, a.seed, end_at_line=not a.mid_line)
         started = time.time()
         rows = []
         for t in (float(x) for x in a.temperatures.split(",")):
             rows += run_acceptance(stub, prompts, list(range(1, a.max_k + 1)), t, a.max_tokens, a.concurrency)
     finally:
         stop_cluster(proc)
-    md = (f"Acceptance of {model} on {a.prompts} held-out prompts ({a.prompt_chars} chars), "
+    md = (f"Acceptance of {model} on {a.prompts} held-out prompts (up to {a.prompt_chars} chars, "
+          f"{'cut mid-line' if a.mid_line else 'ending in a line break'}), "
           f"{a.max_tokens} new tokens each, {time.time() - started:.0f} s\n\n" + table(rows) + "\n")
     write_results(a.out, "acceptance", md, rows, lambda path: plot(rows, path))
     return 0
@@ -184,7 +192,8 @@ BENCHES = {"acceptance": "tandem.bench:acceptance", "speed": "tandem.bench_speed
            "inprocess": "tandem.bench_inprocess:main", "bridge": "tandem.bench_bridge:main",
            "floor": "tandem.bench_floor:main", "dsa": "tandem.bench_dsa:main",
            "overlap": "tandem.bench_overlap:main", "profile": "tandem.bench_profile:main",
-           "fp8": "tandem.bench_fp8:main"}
+           "fp8": "tandem.bench_fp8:main", "steps": "tandem.bench_steps:main",
+           "heldout": "tandem.bench_heldout:main", "nextline": "tandem.bench_nextline:main"}
 
 
 def main(argv=None) -> int:
@@ -216,4 +225,5 @@ def bench_prompts(model: str, n: int, prompt_tokens: int, seed: int) -> list[lis
         return [[rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(n)]
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
-    return [tok.encode(t).ids[:prompt_tokens] for t in heldout_prompts(Path(model), n, prompt_tokens * 6, seed)]
+    return [tok.encode(t).ids[:prompt_tokens] for t in heldout_prompts(Path(model), n, prompt_tokens * 6, seed,
+                                                                      end_at_line=False)]

@@ -29,10 +29,10 @@ from models.moe import MoE
 from models.tiny import init_random_, train_tokenizer
 
 EOS, SKIP_DIRS = 2, {"site-packages", "dist-packages", "__pycache__"}  # test dirs are kept: code too
-ARCH = dict(  # ~15.5 M parameters with the MTP layer: 31 MB in bf16
-    vocab_size=8192, hidden_size=256, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=8,
-    q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-    intermediate_size=768, moe_intermediate_size=256, n_routed_experts=8, n_shared_experts=1,
+ARCH = dict(  # 22 layers of width 192: one MTP step ~1/10 of a target step on CPU (tandem bench steps); 43.7 MB bf16
+    vocab_size=8192, hidden_size=192, num_hidden_layers=22, num_attention_heads=6, num_key_value_heads=6,
+    q_lora_rank=128, kv_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    intermediate_size=576, moe_intermediate_size=128, n_routed_experts=8, n_shared_experts=1,
     num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5)
 
 
@@ -42,6 +42,7 @@ class TrainConfig:
     work_dir: str = "build/train-work"         # resumable state (weights + optimizer), never shipped
     resume: str = ""                          # a work checkpoint (last.pt) to continue from
     corpus: str = ""                          # default: the running Python's stdlib root
+    pack_corpus: str = ""                     # write the corpus's files (train + held-out) to this .tar.xz, exit
     max_files: int = 0                        # 0: all (small for smoke tests)
     heldout_frac: float = 0.05
     seed: int = 0
@@ -49,17 +50,17 @@ class TrainConfig:
     seq_len: int = 1024
     batch_size: int = 64                      # sequences per optimizer step
     micro_batch: int = 64                     # sequences per forward
-    lr: float = 2e-3
+    lr: float = 1.5e-3
     min_lr_frac: float = 0.1
     warmup_steps: int = 200
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     mtp_lambda: float = 0.3
     bias_gamma: float = 1e-3
-    max_steps: int = 0                        # 0: until the time budget is spent
+    max_steps: int = 1200                     # ~9.5 epochs of the stdlib's 8.3 M training tokens; 0: the time budget
     max_minutes: float = 10.0                 # the whole command, data and export included
     reserve_s: float = 45.0                   # of that, kept for the final eval and export
-    eval_every: int = 500
+    eval_every: int = 100
     eval_seqs: int = 64                       # periodic eval; the final one uses up to 8x
     save_every_minutes: float = 3.0
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,6 +87,21 @@ def split_corpus(root: Path, c: TrainConfig) -> tuple[list[str], list[str]]:
     return [f for i, f in enumerate(files) if i not in held], [f for i, f in enumerate(files) if i in held]
 
 
+def pack_corpus(c: TrainConfig) -> int:
+    """The corpus's files as one .tar.xz (paths relative to the root): a GPU machine whose Python differs
+    unpacks it and trains with --corpus on the same files and the same split."""
+    import tarfile
+    root = Path(c.corpus or Path(os.__file__).parent)
+    train_files, held_files = split_corpus(root, c)
+    Path(c.pack_corpus).parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(c.pack_corpus, "w:xz") as tar:
+        for f in sorted(train_files + held_files):
+            tar.add(root / f, arcname=f)
+    print(f"{c.pack_corpus}: {len(train_files) + len(held_files)} files of {root} "
+          f"({Path(c.pack_corpus).stat().st_size:,} bytes)")
+    return 0
+
+
 def token_stream(tok, root: Path, files: list[str]) -> torch.Tensor:
     # -> [n_tokens] int64: each file's tokens followed by </s>
     ids = (e.ids + [EOS] for e in tok.encode_batch([(root / f).read_text(errors="ignore") for f in files]))
@@ -104,9 +120,10 @@ def prepare_data(c: TrainConfig, out: Path, reuse_tokenizer: bool):
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     train_ids, held_ids = (token_stream(tok, root, fs).to(c.device) for fs in (train_files, held_files))
     info = dict(root=str(root), python=sys.version.split()[0], train_files=len(train_files),
-                heldout_files=len(held_files), train_tokens=train_ids.numel(), heldout_tokens=held_ids.numel())
+                heldout_files=len(held_files), train_tokens=train_ids.numel(), heldout_tokens=held_ids.numel(),
+                heldout_bytes=sum(len((root / f).read_text(errors="ignore").encode()) for f in held_files))
     print(f"corpus: {info}", flush=True)
-    return train_ids, held_ids, info
+    return train_ids, held_ids, info, token_bytes(tok)
 
 
 def sample_batch(stream: torch.Tensor, n: int, T: int, g: torch.Generator) -> torch.Tensor:
@@ -160,22 +177,48 @@ def autocast(c: TrainConfig):
     return torch.autocast("cuda", torch.bfloat16) if c.device.startswith("cuda") else torch.autocast("cpu", enabled=False)
 
 
+def token_bytes(tok) -> torch.Tensor:
+    # -> [V] float: UTF-8 bytes each token stands for (byte-level BPE: one character per byte; specials 0)
+    special = {t.content for t in tok.get_added_tokens_decoder().values()}
+    return torch.tensor([0.0 if (s := tok.id_to_token(i)) is None or s in special else float(len(s))
+                         for i in range(tok.get_vocab_size())])
+
+
+def held_windows(held: torch.Tensor, T: int, n_seqs: int) -> list[torch.Tensor]:
+    # [N] -> min(n_seqs, all) [T+1] windows, each predicting the T tokens after the last one's; n_seqs 0: all, and
+    # the tail as a shorter window (unless it predicts one token only)
+    n = (held.numel() - 1) // T
+    full = [held[i * T: i * T + T + 1] for i in range(n) if i * T + T + 1 <= held.numel()]
+    tail = held[len(full) * T:]
+    return full[:n_seqs] if n_seqs else full + ([tail] if tail.numel() >= 3 else [])
+
+
 @torch.no_grad()
-def evaluate(target, draft, held: torch.Tensor, c: TrainConfig, n_seqs: int) -> dict:
-    T, n = c.seq_len, min(n_seqs, (held.numel() - 1) // (c.seq_len + 1))
-    windows, sums = held[: n * (T + 1)].view(n, T + 1), torch.zeros(5, device=held.device)
+def evaluate(target, draft, held: torch.Tensor, c: TrainConfig, n_seqs: int, nbytes: torch.Tensor | None = None) -> dict:
+    """Held-out loss / perplexity / bits per byte of the main model (token t+1) and of the MTP layer (t+2),
+    over n_seqs windows of seq_len + 1 tokens (0: the whole stream); nbytes [V]: bytes per token id."""
+    windows, sums = held_windows(held, c.seq_len, n_seqs), torch.zeros(8, dtype=torch.float64, device=held.device)
     target.eval(), draft.eval()
-    for i in range(0, n, c.micro_batch):
-        chunk = windows[i: i + c.micro_batch]                              # [b, T+1]
-        with autocast(c):
-            main, mtp, logits, mlogits = forward_losses(target, draft, chunk)
-        pred, mpred = logits.argmax(-1), mlogits.argmax(-1)  # [b, T], [b, T-1]; MTP vs true t+2 and vs greedy t+1
-        sums += len(chunk) * torch.stack([main, mtp, (pred == chunk[:, 1:]).float().mean(),
-                                          (mpred == chunk[:, 2:]).float().mean(), (mpred == pred[:, 1:]).float().mean()])
+    groups = itertools.groupby(windows, key=len)
+    for _, same in groups:
+        same = list(same)
+        for i in range(0, len(same), c.micro_batch):
+            chunk = torch.stack(same[i: i + c.micro_batch])                 # [b, T+1]
+            with autocast(c):
+                _, _, logits, mlogits = forward_losses(target, draft, chunk)
+            y, y2 = chunk[:, 1:], chunk[:, 2:]
+            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            mnll = F.cross_entropy(mlogits.float().flatten(0, 1), y2.flatten(), reduction="sum")
+            pred, mpred = logits.argmax(-1), mlogits.argmax(-1)  # [b, T], [b, T-1]; MTP vs true t+2 and vs greedy t+1
+            b = nbytes.to(held.device)[y].sum() if nbytes is not None else torch.zeros((), device=held.device)
+            sums += torch.stack([nll, mnll, (pred == y).sum(), (mpred == y2).sum(), (mpred == pred[:, 1:]).sum(),
+                                 torch.tensor(y.numel(), device=held.device), torch.tensor(y2.numel(), device=held.device),
+                                 b]).double()
     target.train(), draft.train()
-    s = (sums / n).tolist()
-    return dict(loss=s[0], ppl=math.exp(s[0]), mtp_loss=s[1], main_acc=s[2], mtp_acc=s[3], mtp_agree_greedy=s[4],
-                eval_tokens=n * T)
+    s = sums.tolist()
+    return dict(loss=s[0] / s[5], ppl=math.exp(s[0] / s[5]), mtp_loss=s[1] / s[6], main_acc=s[2] / s[5],
+                mtp_acc=s[3] / s[6], mtp_agree_greedy=s[4] / s[6], eval_tokens=int(s[5]),
+                **(dict(bits_per_byte=s[0] / math.log(2) / s[7], eval_bytes=int(s[7])) if nbytes is not None else {}))
 
 
 def export(target, draft, cfg_raw: dict, out: Path) -> int:
@@ -185,7 +228,7 @@ def export(target, draft, cfg_raw: dict, out: Path) -> int:
                for k, v in checkpoint_tensors(target, draft).items()
                if k not in (f"model.layers.{L}.embed_tokens.weight", f"model.layers.{L}.shared_head.head.weight")}
     [f.unlink() for f in [*out.glob("*.safetensors"), *out.glob("model.safetensors.index.json")]]   # stale shards
-    save_checkpoint(tensors, out, max_shard_bytes=16 << 20)
+    save_checkpoint(tensors, out, max_shard_bytes=(16 << 20) - (64 << 10))   # each file <= 16 MiB with its header
     (out / "config.json").write_text(json.dumps(cfg_raw, indent=1))
     (out / "generation_config.json").write_text(json.dumps(dict(bos_token_id=1, eos_token_id=EOS, do_sample=False)))
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -206,13 +249,15 @@ def parse(argv: list[str]) -> TrainConfig:
 def main(argv: list[str]) -> int:
     from tqdm import tqdm
     t0, c = time.time(), parse(argv)
+    if c.pack_corpus:
+        return pack_corpus(c)
     state = torch.load(c.resume, map_location="cpu", weights_only=False) if c.resume else None
     if state:  # continue the saved run with its config, except where and for how long
         keep = ("out", "work_dir", "resume", "device", "max_minutes", "reserve_s", "compile", "eval_every")
         c = TrainConfig(**{**state["cfg"], **{k: getattr(c, k) for k in keep}})
     out, work = Path(c.out), Path(c.work_dir)
     out.mkdir(parents=True, exist_ok=True), work.mkdir(parents=True, exist_ok=True)
-    train_ids, held_ids, corpus = prepare_data(c, out, reuse_tokenizer=state is not None)   # [N_train], [N_held]
+    train_ids, held_ids, corpus, nbytes = prepare_data(c, out, reuse_tokenizer=state is not None)   # [N_train], [N_held], [V]
     cfg_raw = model_config(c)
     target, draft, moes, params = build_models(ModelConfig.from_dict(cfg_raw), c)
     n_target, n_mtp = sum(p.numel() for p in target.parameters()), sum(p.numel() for p in draft.mtp.parameters())
@@ -282,14 +327,14 @@ def main(argv: list[str]) -> int:
     if best is not None and evaluate(target, draft, held_ids, c, c.eval_seqs)["loss"] > best_loss:
         target.load_state_dict(best[0][0]), draft.load_state_dict(best[0][1])
         chosen = best[1]
-    final, nbytes = evaluate(target, draft, held_ids, c, 8 * c.eval_seqs), export(target, draft, cfg_raw, out)
+    final, ckpt_bytes = evaluate(target, draft, held_ids, c, 0, nbytes), export(target, draft, cfg_raw, out)
     cuda = c.device.startswith("cuda")
     log = dict(steps=run["step"], tokens_seen=run["tokens"], epochs=run["tokens"] / train_ids.numel(),
                exported_step=chosen["step"], final_train_loss=chosen["train_loss"],
                final_train_mtp_loss=chosen["train_mtp_loss"], **{f"heldout_{k}": v for k, v in final.items()},
                train_seconds=run["train_s"], wall_seconds=time.time() - t0, tokens_per_s=run["tokens"] / run["train_s"],
                tokens_per_s_after_first_step=(run["tokens"] - steady[0]) / max(run["train_s"] - steady[1], 1e-9),
-               peak_gpu_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, checkpoint_bytes=nbytes,
+               peak_gpu_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, checkpoint_bytes=ckpt_bytes,
                params=dict(target=n_target, mtp_layer=n_mtp, total=n_target + n_mtp), corpus=corpus,
                device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command="tandem train " + " ".join(argv),
