@@ -183,7 +183,8 @@ def acceptance(argv) -> int:
 BENCHES = {"acceptance": "tandem.bench:acceptance", "speed": "tandem.bench_speed:main",
            "inprocess": "tandem.bench_inprocess:main", "bridge": "tandem.bench_bridge:main",
            "floor": "tandem.bench_floor:main", "dsa": "tandem.bench_dsa:main",
-           "overlap": "tandem.bench_overlap:main", "profile": "tandem.bench_profile:main"}
+           "overlap": "tandem.bench_overlap:main", "profile": "tandem.bench_profile:main",
+           "prefill": "tandem.bench_prefill:main"}
 
 
 def main(argv=None) -> int:
