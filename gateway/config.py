@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra import tls as tls_mod
-from infra.defaults import HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS, NUM_SPECULATIVE_TOKENS
+from infra.defaults import HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS, MAX_NUM_BATCHED_TOKENS, NUM_SPECULATIVE_TOKENS
 from tandem.v1 import rows_pb2
 
 DESCRIPTION = """`tandem gateway`: the public face in front of the target and draft services — the gRPC
@@ -31,6 +31,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     max_batch: int = 64
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS   # prompt positions one step prefills (chunks); 0: whole
     default_max_tokens: int = 256
     hidden_transport: str = "auto"
     connect_timeout_s: float = 120.0
@@ -74,6 +75,9 @@ class GatewayConfig:
             raise SystemExit(f"--speculation must be one of {list(SPECULATION)}, got {self.speculation!r}")
         if self.adaptive_reprobe_rounds < 0:
             raise SystemExit(f"--adaptive-reprobe-rounds must be >= 0 (0: automatic), got {self.adaptive_reprobe_rounds}")
+        if self.max_num_batched_tokens < 0:
+            raise SystemExit(f"--max-num-batched-tokens must be >= 0 (0: prompts prefilled whole), got "
+                             f"{self.max_num_batched_tokens}")
         if self.hidden_transport not in TRANSPORTS:
             raise SystemExit(f"--hidden-transport must be one of {list(TRANSPORTS)}, got {self.hidden_transport!r}")
         if self.service_calls not in ("stream", "unary"):
@@ -114,6 +118,9 @@ def parse(argv) -> GatewayConfig:
     p.add_argument("--stats-interval", dest="stats_interval_s", type=float, default=10.0,
                    help="seconds between stats log lines (0: off)")
     p.add_argument("--max-batch", type=int, default=64, help="requests in one round")
+    p.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS, help="prompt positions "
+                   "one scheduler step prefills before the round of the running requests: longer prompts go in "
+                   "chunks, one per round (0: every prompt whole in one step)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a gRPC request that sets none")
     p.add_argument("--max-logprobs", type=int, default=20, help="top-n logprobs a request may ask for")
     p.add_argument("--hidden-transport", default="auto", help="how the target sends rows to the draft: "

@@ -117,7 +117,7 @@ class GatewayMetrics(Observer):
         s = self.scheduler
         cur, last = s.stats, self._last
         drafts = cur.num_drafts - last.num_drafts
-        running, waiting = len(s.running), len(s.waiting)
+        running, waiting = len(s.running) + len(s.prefilling), len(s.waiting)
         if not drafts and not running and not waiting:
             return None
         accepted = cur.num_accepted_tokens - last.num_accepted_tokens
@@ -171,7 +171,8 @@ class _Collector:
         for i, v in enumerate(st.accepted_per_position):
             c.add_metric(lab + [str(i)], v)
         yield c
-        for name, doc, v in (("num_requests_running", "Requests in the running batch", len(s.running)),
+        for name, doc, v in (("num_requests_running", "Requests in the running batch (prefilling in chunks included)",
+                              len(s.running) + len(s.prefilling)),
                              ("num_requests_waiting", "Requests waiting for a Prefill", len(s.waiting))):
             g = GaugeMetricFamily(f"tandem:{name}", doc, labels=["model_name"])
             g.add_metric(lab, v)

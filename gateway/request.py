@@ -89,6 +89,7 @@ class GenRequest:
     round_cap: int | None = None                             # this round's k, when a policy chose one
     policy_state: object = None                              # the speculation policy's (gateway/adaptive.py)
     cached_tokens: int = 0                                   # prompt positions the target's prefix cache held
+    prefilled: int = 0                                       # prompt positions on the target (chunks so far)
 
     def take(self, tokens: list[int], logprobs: list | None, eos: set[int]) -> tuple[list[int], str, str | None]:
         """Append the target's tokens to the output up to the first that ends the request (EOS, one that

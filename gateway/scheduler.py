@@ -1,6 +1,7 @@
 """Continuous batching of speculative rounds: Prefill new requests, then Propose -> Verify -> commit.
 
-Requests join between rounds and leave as they finish. Tokens are committed only from the
+Requests join between rounds and leave as they finish; with a token budget a long prompt is prefilled in
+chunks, one Prefill per step before the round (gateway/chunking.py). Tokens are committed only from the
 target's answers. A draft that fails (other than a contract error) costs speed, not tokens: its
 requests continue with zero drafts, speculation is degraded until the draft answers again, and
 their draft cache is re-synced before it proposes for them again (gateway/availability.py,
@@ -20,6 +21,7 @@ import uuid
 
 import grpc
 
+from gateway import chunking
 from gateway.adaptive import FixedPolicy
 from gateway.availability import Availability, InFlight
 from gateway.request import Event, GenRequest, Observer, SpecStats, call_budget  # noqa: F401 (re-exported)
@@ -36,16 +38,20 @@ class Scheduler:
     """The rounds of one gateway. It reaches the services only through `target` and `draft` (None: no
     speculation), objects with the methods of gateway/stubs.py: grpc.aio stubs when serving, or
     in-process objects with the same async methods. `run()` loops forever; `step()` is one pass:
-    expire, re-sync, Prefill the newcomers, one round."""
+    expire, re-sync, one Prefill (newcomers, chunks), one round."""
 
     def __init__(self, target: TargetStub, draft: DraftStub | None, eos_ids: set[int], max_batch: int = 64,
                  rpc_timeout_s: float = 60.0, transport: int = rows_pb2.TRANSPORT_UNSPECIFIED,
-                 observer: Observer | None = None, draft_timeout_s: float = 10.0, max_waiting: int = 0, policy=None):
+                 observer: Observer | None = None, draft_timeout_s: float = 10.0, max_waiting: int = 0, policy=None,
+                 max_num_batched_tokens: int = 0):
         self.target, self.draft, self.eos = target, draft, eos_ids
         self.obs, self.policy = observer or Observer(), policy or FixedPolicy()   # policy: gateway/adaptive.py
         self.max_batch, self.timeout, self.transport, self.draft_timeout = max_batch, rpc_timeout_s, transport, draft_timeout_s
         self.avail = Availability(draft is not None, max_waiting)
         self.waiting: list[GenRequest] = []
+        self.feed: list[GenRequest] = []        # prefilling, their step's chunk not yet given to the draft
+        self.prefilling: list[GenRequest] = []  # admitted, prompt not yet prefilled to its end (gateway/chunking.py)
+        self.max_num_batched_tokens = max_num_batched_tokens   # prompt positions a step prefills; 0: whole
         self.running: list[GenRequest] = []
         self.stats = SpecStats()
         self._wake = asyncio.Event()
@@ -76,14 +82,14 @@ class Scheduler:
 
     async def run(self) -> None:
         while True:
-            if not self.waiting and not self.running:
+            if not self.waiting and not self.running and not self.prefilling:
                 self._wake.clear()
                 await self._wake.wait()
             try:
                 await self.step()
             except Exception:  # a bug must not kill the loop silently: fail the round, keep serving
                 log.exception("round failed")
-                for r in list(self.running):
+                for r in self.running + self.prefilling:
                     self.fail(r, grpc.StatusCode.INTERNAL, "internal error in the gateway round")
 
     # --- service faults (called by the rounds and by gateway/watch.py) ----------------------------
@@ -94,7 +100,7 @@ class Scheduler:
         (gateway/watch.py). A Propose that was only slow or lost its rows (DEADLINE_EXCEEDED,
         NOT_FOUND) keeps the bridge."""
         self.avail.draft_failed(reason)
-        for r in self.running:
+        for r in self.running + self.prefilling:
             r.draft.lost()
         if self.transport != rows_pb2.TRANSPORT_INLINE and restarted:      # a slow draft keeps its bridge
             log.warning("hidden rows go inline until the bridge is rebuilt with the draft")
@@ -108,7 +114,7 @@ class Scheduler:
     def _expire(self) -> None:
         """Fail (and free) requests past their deadline, or all while the target is down; none is in a call."""
         now, down = time.monotonic(), self.avail.target_down
-        for r in self.waiting + self.running:
+        for r in self.waiting + self.prefilling + self.running:
             if down is not None:
                 self.fail(r, grpc.StatusCode.UNAVAILABLE, f"the target service is unavailable ({down})")
             elif r.deadline is not None and r.deadline <= now:
@@ -120,13 +126,15 @@ class Scheduler:
         stale = [r for r in self.running if r.draft.stale]
         if stale and self.avail.degraded is None:
             await self._holding(stale, resync(self, stale))
-        room = self.max_batch - len(self.running)
-        if self.waiting and room > 0:
-            new, self.waiting = self.waiting[:room], self.waiting[room:]
-            await self._holding(new, self._prefill(new))
+        items = chunking.plan(self) if self.waiting or self.prefilling else []
+        if items:
+            await self._holding([r for r, _ in items], chunking.prefill(self, items))
         if self.running:
             batch = list(self.running)
-            await self._holding(batch, self._round(batch))
+            await self._holding(batch + self.feed, self._round(batch))
+        if self.feed:                             # the round made no Propose: the chunks go alone
+            feed, self.feed = self.feed, []
+            await self._holding(feed, chunking.feed_draft(self, feed))
 
     async def _holding(self, reqs: list[GenRequest], call) -> None:
         """Await one Prefill, re-sync or round over `reqs` (cut short: they fail), then finish the cancelled."""
@@ -140,34 +148,6 @@ class Scheduler:
             for r in reqs:
                 if r.cancelled and not r.finished:
                     self._finish(r, None)
-
-    async def _prefill(self, new: list[GenRequest]) -> None:
-        req = target_pb2.PrefillRequest(
-            items=[target_pb2.PrefillItem(request_id=r.id, prompt_token_ids=r.prompt_ids, sampling=r.sampling,
-                                          logprobs=r.logprobs, prompt_logprobs=r.prompt_logprobs)
-                   for r in new], return_hidden_rows=self._speculating and any(r.k > 0 for r in new),
-            transport=self.transport)
-        t0 = time.perf_counter()
-        try:
-            with tracing.phase("prefill", [r.span for r in new], requests=len(new)):
-                resp = await self.target.Prefill(req, timeout=call_budget(new, self.timeout)[0])
-        except grpc.aio.AioRpcError as e:
-            self._target_failed(new, e, "Prefill")
-            return
-        self.obs.phase("prefill", time.perf_counter() - t0)
-        for i, (r, tok) in enumerate(zip(new, resp.first_token_ids)):
-            lp = resp.logprobs[i] if i < len(resp.logprobs) else None
-            r.cached_tokens = resp.num_cached_tokens[i] if i < len(resp.num_cached_tokens) else 0
-            r.prompt_lps = list(lp.prompt) if lp is not None else []
-            if r.max_tokens <= 0:             # scoring only (echo with max_tokens 0): no new token
-                r.events.put_nowait(Event([], "", "length"))
-                self._finish(r, "length")
-                continue
-            self.running.append(r)
-            r.draft.prefilled(list(r.prompt_ids) + [tok], resp.hidden_rows,
-                              speculate=self._speculating and r.k > 0 and resp.HasField("hidden_rows"),
-                              wants_drafts=self.draft is not None and r.k > 0, cached=r.cached_tokens)
-            self._commit(r, [tok], [lp.first_token] if lp is not None and r.logprobs is not None else [])
 
     async def _round(self, batch: list[GenRequest]) -> None:
         """One speculative round over the running batch: Propose for the requests the draft speculates
@@ -206,10 +186,12 @@ class Scheduler:
         """The drafts for `spec` (the speculating part of `batch`) by request id, their times in `split`.
         {} when the Propose failed: the round goes on without drafts. None when the draft answered
         with a contract error: every request of the round has failed with it."""
-        sets = {id(r.draft.rows): r.draft.rows for r in spec}
+        feed, self.feed = [r for r in self.feed if r.draft.speculate and not r.finished], []  # chunks: gateway/chunking.py
+        sets = {id(r.draft.rows): r.draft.rows for r in spec + feed}
         preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
             request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.round_k(), sampling=r.sampling,
-            position=r.draft.position, cached_tokens=r.draft.cached) for r in spec], hidden_rows=list(sets.values()))
+            position=r.draft.position, cached_tokens=r.draft.cached) for r in spec] + chunking.feed_items(feed),
+            hidden_rows=list(sets.values()))
         t0 = time.perf_counter()
         timeout, by_deadlines = call_budget(spec, self.draft_timeout)
         try:
@@ -217,11 +199,11 @@ class Scheduler:
                 presp = await self.draft.Propose(preq, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() in CONTRACT_CODES:
-                for r in batch:
+                for r in batch + feed:
                     self.fail(r, client_status(e), f"draft Propose: {e.details()}")
                 return None
             split["propose"] = time.perf_counter() - t0     # a failed Propose's wall is not the gateway's
-            for r in spec:                 # the draft's state of them is unknown: re-sync later
+            for r in spec + feed:          # the draft's state of them is unknown: re-sync later
                 r.draft.lost()
             if not (by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):   # else: they expire
                 self.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})",
@@ -231,12 +213,15 @@ class Scheduler:
         split.update(propose=time.perf_counter() - t0, transfer=presp.timing.transfer_seconds,
                      draft_compute=presp.timing.compute_seconds)
         drafts = {}
-        for r, res in zip(spec, presp.results):
+        results = list(presp.results)
+        chunking.fed(feed, results[len(spec):])
+        for r, res in zip(spec, results):
             drafts[r.id] = res
             if not res.not_held:
                 r.draft.proposed()
-        if any(res.not_held for res in presp.results):       # its prefix cache lacked what the target had
-            await recover(self, [r for r, res in zip(spec, presp.results) if res.not_held], drafts)
+        lacked = [r for r, res in zip(spec, results) if res.not_held]
+        if lacked:                                  # its prefix cache lacked what the target had
+            await recover(self, lacked, drafts)
         return drafts
 
     @property
@@ -271,6 +256,8 @@ class Scheduler:
         self.obs.finished(r, reason, time.monotonic())
         if r in self.running:
             self.running.remove(r)
+        if r in self.prefilling:
+            self.prefilling.remove(r)
         asyncio.ensure_future(self._release(self.target, [r.id]))
         if self.draft is not None:
             asyncio.ensure_future(self._release(self.draft, [r.id]))

@@ -107,7 +107,7 @@ async def generate_all(target, draft, prompts: list[list[int]], k: int, batch: i
             while not got or got[-1].finish_reason is None and got[-1].error is None:
                 got.append(await r.events.get())
             events.append(got)
-        while sched.running or sched.waiting:           # the last Release calls run as tasks
+        while sched.running or sched.waiting or sched.prefilling:           # the last Release calls run as tasks
             await asyncio.sleep(0)
         await asyncio.sleep(0)
     finally:

@@ -16,7 +16,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from infra.defaults import HIDDEN_TRANSPORTS, NUM_SPECULATIVE_TOKENS, transport_misfit
+from infra.defaults import HIDDEN_TRANSPORTS, MAX_NUM_BATCHED_TOKENS, NUM_SPECULATIVE_TOKENS, transport_misfit
 from models.config import QUANTIZATIONS
 from tandem.supervise import Supervisor
 
@@ -73,6 +73,8 @@ def parse(argv):
     p.add_argument("--draft-tp", type=int, default=1, help="draft tensor-parallel ranks")
     p.add_argument("--dist-port", type=int, default=29660, help="rank-group rendezvous (target; draft: +10)")
     p.add_argument("--max-batch", type=int, default=64, help="requests in one round")
+    p.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS, help="gateway: prompt "
+                   "positions one step prefills before the round; longer prompts go in chunks (0: whole)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds each process may take to serve")
     p.add_argument("--max-restarts", type=int, default=5, help="restarts of a process that exits, within "
                    "10 minutes, before the cluster stops (0: stop when any exits)")
@@ -170,6 +172,7 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                   "--draft-addr", f"127.0.0.1:{a.draft_port}",
                                   "--hidden-transport", "auto" if transport == "ipc" else transport,
                                   "--max-batch", str(a.max_batch),
+                                  "--max-num-batched-tokens", str(a.max_num_batched_tokens),
                                   "--http-port", str(a.http_port), "--served-model-name", a.served_model_name,
                                   "--api-key", a.api_key, "--otlp-endpoint", a.otlp_endpoint,
                                   "--max-prompt-tokens", str(a.max_prompt_tokens),

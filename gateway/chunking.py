@@ -1,0 +1,153 @@
+"""Prefill mixed into rounds (issue 17, item 2): each scheduler step sends at most one Prefill, then the round.
+
+`--max-num-batched-tokens` (vLLM's flag) is the prompt positions one step may prefill. With a budget, a
+step's Prefill takes chunks of the prompts already partly prefilled (oldest first), then admits waiting
+requests while budget and batch room are left, each item with `max_chunk_tokens` (services/target/prefill.py);
+the round of the running requests follows. A long prompt thus delays the running streams by one chunk per
+round, not by its whole prefill. A prompt whose last chunk completes gets its first token and joins the
+running batch. Budget 0: every admitted prompt whole, as before chunking. A prompt scored for
+prompt_logprobs is always sent whole (the target scores only whole prompts): alone in its step when it is
+larger than the budget left.
+
+The draft is filled chunk by chunk with the alignment of a round (MTP position i pairs token i + 1 with the
+target's row i): a chunk computing prompt positions [s, e) sends the draft the tokens up to e (inclusive) with
+the rows of [s, e), as items asking no drafts (`Scheduler.feed`) in the same step's round Propose, or in a
+Propose of their own when the round makes none. One Propose: the step's row set is taken once on the bridge,
+and the prompts the same Prefill completed start their first round on it. The first chunk is a new request
+(`DraftState.prefilled`, from position 0, its prefix hit as cached_tokens), later ones continue it
+(`DraftState.verified`); the last chunk's tokens and first token go with the request's first round, as after
+a whole prefill. Faults follow the rounds' rules (gateway/scheduler.py): a failed chunk Prefill ends its
+requests with the target's status; a failed chunk Propose costs drafts, not tokens (the requests are
+re-synced once running), and a contract error ends the chunk's requests. Partial prompts live in
+`Scheduler.prefilling`, where cancel(), deadlines and service faults reach them like running requests.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from gateway.request import Event, GenRequest, call_budget
+from gateway.stubs import CONTRACT_CODES, client_status
+from infra import tracing
+from tandem.v1 import draft_pb2, target_pb2
+
+if TYPE_CHECKING:
+    from gateway.scheduler import Scheduler
+
+
+def plan(s: Scheduler) -> list[tuple[GenRequest, int]]:
+    """This step's Prefill: (request, max_chunk_tokens; 0: whole) per item. Admitted requests move from
+    s.waiting to s.prefilling (until their last chunk)."""
+    room = s.max_batch - len(s.running) - len(s.prefilling)
+    if s.max_num_batched_tokens <= 0:
+        new = s.waiting[:max(0, room)]
+        s.waiting = s.waiting[len(new):]
+        s.prefilling += new
+        return [(r, 0) for r in new]
+    left, out = s.max_num_batched_tokens, []
+    for r in s.prefilling:                       # prompts partly prefilled first, oldest first
+        if left <= 0:
+            break
+        n = min(left, len(r.prompt_ids) - r.prefilled)
+        out.append((r, n))
+        left -= n
+    while left > 0 and room > 0 and s.waiting:
+        r = s.waiting[0]
+        if r.prompt_logprobs and out and len(r.prompt_ids) > left:
+            break                                # scored whole: it waits for a step of its own
+        s.waiting.pop(0)
+        s.prefilling.append(r)
+        room -= 1
+        n = len(r.prompt_ids) if r.prompt_logprobs else min(left, len(r.prompt_ids))
+        out.append((r, 0 if r.prompt_logprobs else n))
+        left -= n
+    return out
+
+
+async def prefill(s: Scheduler, items: list[tuple[GenRequest, int]]) -> None:
+    """One Prefill over `items` (from plan), then the chunk Propose of those still prefilling; the
+    finished prompts join s.running with their first token."""
+    reqs = [r for r, _ in items]
+    rows = any(s._speculating and r.k > 0 and (r.prefilled == 0 or r.draft.speculate) for r in reqs)
+    req = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
+        request_id=r.id, prompt_token_ids=r.prompt_ids, sampling=r.sampling, logprobs=r.logprobs,
+        prompt_logprobs=r.prompt_logprobs, max_chunk_tokens=n) for r, n in items],
+        return_hidden_rows=rows, transport=s.transport)
+    t0 = time.perf_counter()
+    s.feed = []
+    try:
+        with tracing.phase("prefill", [r.span for r in reqs], requests=len(reqs)):
+            resp = await s.target.Prefill(req, timeout=call_budget(reqs, s.timeout)[0])
+    except grpc.aio.AioRpcError as e:
+        s._target_failed(reqs, e, "Prefill")
+        return
+    s.obs.phase("prefill", time.perf_counter() - t0)
+    rows = resp.hidden_rows
+    for i, r in enumerate(reqs):
+        end = resp.num_computed_tokens[i] if i < len(resp.num_computed_tokens) else len(r.prompt_ids)
+        done, tok = end >= len(r.prompt_ids), resp.first_token_ids[i]
+        tokens = list(r.prompt_ids[r.prefilled + 1 if r.prefilled else 0:end + 1]) + ([tok] if done else [])
+        if r.prefilled == 0:                     # the request's first call: a new request for the draft
+            r.cached_tokens = resp.num_cached_tokens[i] if i < len(resp.num_cached_tokens) else 0
+            r.draft.prefilled(tokens, rows, speculate=s._speculating and r.k > 0 and resp.HasField("hidden_rows"),
+                              wants_drafts=s.draft is not None and r.k > 0, cached=r.cached_tokens)
+        else:
+            r.draft.verified(tokens, rows)
+        r.prefilled = end
+        if not done:
+            if r.draft.speculate and not r.cancelled:
+                s.feed.append(r)
+            continue
+        s.prefilling.remove(r)
+        lp = resp.logprobs[i] if i < len(resp.logprobs) else None
+        r.prompt_lps = list(lp.prompt) if lp is not None else []
+        if r.max_tokens <= 0:                    # scoring only (echo with max_tokens 0): no new token
+            r.events.put_nowait(Event([], "", "length"))
+            s._finish(r, "length")
+            continue
+        s.running.append(r)
+        s._commit(r, [tok], [lp.first_token] if lp is not None and r.logprobs is not None else [])
+
+
+def feed_items(feed: list[GenRequest]) -> list[draft_pb2.ProposeItem]:
+    """The Propose items giving the draft the chunks pending in `feed`'s DraftStates: no drafts asked."""
+    return [draft_pb2.ProposeItem(request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=0,
+                                  sampling=r.sampling, position=r.draft.position, cached_tokens=r.draft.cached)
+            for r in feed]
+
+
+def fed(feed: list[GenRequest], results) -> None:
+    """The draft answered the feed's items: it holds their chunks, or (not_held: its prefix cache lacked the
+    target's hit) not the request, which is re-synced once running."""
+    for r, res in zip(feed, results):
+        if res.not_held:
+            r.draft.lost()
+        else:
+            r.draft.proposed()
+
+
+async def feed_draft(s: Scheduler, feed: list[GenRequest]) -> None:
+    """The step's chunks for the draft when the round made no Propose: a Propose of their own."""
+    feed = [r for r in feed if r.draft.speculate and not r.finished and not r.cancelled]
+    if not feed:
+        return
+    preq = draft_pb2.ProposeRequest(items=feed_items(feed), hidden_rows=[feed[0].draft.rows])
+    timeout, by_deadlines = call_budget(feed, s.draft_timeout)
+    try:
+        with tracing.phase("propose", [r.span for r in feed], requests=len(feed)):
+            presp = await s.draft.Propose(preq, timeout=timeout)
+    except grpc.aio.AioRpcError as e:
+        if e.code() in CONTRACT_CODES:
+            for r in feed:
+                s.fail(r, client_status(e), f"draft Propose (prefill chunk): {e.details()}")
+            return
+        for r in feed:                           # unknown on the draft: re-synced once running
+            r.draft.lost()
+        if not (by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):
+            s.draft_lost(f"draft Propose (prefill chunk) failed ({e.code().name}: {e.details()})",
+                         restarted=e.code() == grpc.StatusCode.UNAVAILABLE)
+        return
+    s.avail.draft_proposed()
+    fed(feed, presp.results)

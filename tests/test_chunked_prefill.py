@@ -1,0 +1,238 @@
+"""Chunked prefill mixed into rounds (gateway/chunking.py), through the gateway's own Scheduler over the real
+target and draft servicers in this process (tandem/inprocess.py): the calls are recorded in order.
+
+A long prompt arriving while streams run is prefilled one budgeted chunk per step, and the running streams
+get tokens between its chunks; every Prefill stays within --max-num-batched-tokens; the tokens equal the
+target's greedy decoding with or without chunks; a partly prefilled request that is cancelled (in or out of
+a call) or passes its deadline is released on both services; a draft failing on a chunk costs drafts, not
+tokens; a target failing mid-prompt ends the requests with UNAVAILABLE and leaves nothing held."""
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+
+from gateway.lanes import rpc_error
+from gateway.request import GenRequest, Observer
+from gateway.scheduler import Scheduler
+from gateway.text import TextStream
+from models.runner import greedy_generate
+from tandem.inprocess import servicer_stubs
+from tandem.v1 import rows_pb2
+from test_engines import engines, make_models
+
+
+@pytest.fixture(scope="module")
+def models():
+    return make_models()
+
+
+class Ids:
+    def decode(self, ids):
+        return ""
+
+
+class Recorded:
+    """A stub whose calls go into `log` in order; `fail(method, request)` True: raise `code` instead."""
+
+    def __init__(self, stub, name, log, fail=None, code=grpc.StatusCode.UNAVAILABLE, before=None):
+        self._stub, self._name, self._log, self._fail, self._code, self._before = stub, name, log, fail, code, before
+
+    def __getattr__(self, method):
+        inner = getattr(self._stub, method)
+
+        async def call(request, timeout=None, **_):
+            self._log.append((self._name, method, request))
+            if self._before:
+                self._before(method, request)
+            if self._fail and self._fail(method, request):
+                raise rpc_error(self._code, f"injected {self._name} {method} failure")
+            return await inner(request, timeout=timeout)
+        return call
+
+
+class Tokens(Observer):
+    def __init__(self, log):
+        self.log = log
+
+    def tokens(self, r, n, now):
+        self.log.append(("tokens", r.id, n))
+
+
+def prompt(n, seed):
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def request(s, ids, k, max_tokens, deadline=None):
+    return GenRequest(id=s.new_id(), prompt_ids=ids, max_tokens=max_tokens, sampling=rows_pb2.SamplingParams(),
+                      text=TextStream(Ids(), []), ignore_eos=True, k=k, deadline=deadline)
+
+
+async def drain(r):
+    """r's events until it ends -> (tokens, error or None)."""
+    toks = []
+    while True:
+        e = await asyncio.wait_for(r.events.get(), 120)
+        toks += e.token_ids
+        if e.error or e.finish_reason:
+            return toks, e.error
+
+
+def cluster(models, budget, fail_t=None, fail_d=None, before=None, prefix=False):
+    te, de = engines(*models, blocks=96)
+    if prefix:
+        te.cache.enable_prefix_cache("target", 0)
+        de.cache.enable_prefix_cache("draft", 1)
+    t, d = servicer_stubs(te, de)
+    log = []
+    s = Scheduler(Recorded(t, "target", log, fail_t, before=before), Recorded(d, "draft", log, fail_d), set(),
+                  max_batch=8, transport=rows_pb2.TRANSPORT_BRIDGE, observer=Tokens(log), max_num_batched_tokens=budget)
+    return te, de, s, log
+
+
+async def settle(s, te, de):
+    while s.running or s.waiting or s.prefilling:
+        await asyncio.sleep(0)
+    for _ in range(20):                   # the Release calls run as tasks
+        await asyncio.sleep(0)
+    assert te.requests == {} and te.partial == {} and de.committed == {}
+    assert te.cache.num_free_blocks == te.cache.num_blocks and de.cache.num_free_blocks == de.cache.num_blocks
+
+
+def long_prompt_while_streaming(models, budget, k=2, prefix=False):
+    """Three streams run; a 100-token prompt arrives -> (tokens per request, log, the long request's id)."""
+    te, de, s, log = cluster(models, budget, prefix=prefix)
+
+    async def main():
+        loop = asyncio.ensure_future(s.run())
+        short = [request(s, prompt(6 + i, i), k, 48) for i in range(3)]
+        for r in short:
+            s.submit(r)
+        firsts = [await r.events.get() for r in short]          # all three are running
+        long = request(s, prompt(100, 9), k, 8)
+        s.submit(long)
+        done = await asyncio.gather(*[drain(r) for r in short + [long]])
+        await settle(s, te, de)
+        loop.cancel()
+        return [f.token_ids + t for f, (t, _) in zip(firsts, done[:3])] + [done[3][0]], [short, long]
+    out, (short, long) = asyncio.run(main())
+    return out, log, short, long
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_streams_get_tokens_between_the_chunks_of_a_long_prompt(models, k):
+    out, log, short, long = long_prompt_while_streaming(models, 16, k, prefix=k > 0)
+    prefills = [i for i, (who, m, req) in enumerate(log) if m == "Prefill" and any(
+        it.request_id == long.id for it in req.items)]
+    assert len(prefills) == 7                                    # 100 positions, 16 a step
+    for i in prefills:
+        assert sum(it.max_chunk_tokens for it in log[i][2].items) <= 16
+    for a, b in zip(prefills, prefills[1:]):                     # each running stream moved between two chunks
+        got = {e[1] for e in log[a:b] if e[0] == "tokens"}
+        assert {r.id for r in short} <= got, (a, b)
+    if k:                                                        # the draft was fed each chunk but the last
+        feeds = [req for who, m, req in log if m == "Propose" and any(
+            it.request_id == long.id and it.num_draft_tokens == 0 for it in req.items)]
+        assert len(feeds) == 6
+    target = models[0]
+    for r, toks in zip(short + [long], out):
+        assert toks == greedy_generate(target, r.prompt_ids, len(toks)), r.id
+
+
+def test_without_a_budget_the_prompt_is_prefilled_whole(models):
+    out, log, short, long = long_prompt_while_streaming(models, 0)
+    prefills = [req for who, m, req in log if m == "Prefill" and any(it.request_id == long.id for it in req.items)]
+    assert len(prefills) == 1 and prefills[0].items[0].max_chunk_tokens == 0
+    assert out[3] == greedy_generate(models[0], long.prompt_ids, len(out[3]))
+
+
+def test_partly_prefilled_requests_cancelled_or_expired_leave_nothing(models):
+    """Three 40-token prompts (budget 8: one chunk a step, the oldest partial prompt first) while a stream
+    runs: one cancelled while its third chunk is in the Prefill, one cancelled during a round after two
+    chunks, one past its deadline after its first chunk. The stream finishes; nothing is left held."""
+    box = {"seen": {}}
+
+    def before(method, req):
+        if "reqs" not in box:
+            return
+        s, (a, b, c) = box["s"], box["reqs"]
+        if method == "Prefill":
+            for r in (a, c):
+                box["seen"][r.id] = box["seen"].get(r.id, 0) + any(it.request_id == r.id for it in req.items)
+            if box["seen"][a.id] == 3 and not a.cancelled:
+                s.cancel(a)                                       # in flight: finished when the call returns
+            if box["seen"][c.id] == 1:
+                c.deadline = time.monotonic() - 1                 # expires before the next step
+        if method == "Verify" and b.prefilled == 16 and not b.finished:
+            s.cancel(b)                                           # in no call: released at once
+    te, de, s, log = cluster(models, 8, before=before)
+    box["s"] = s
+
+    async def main():
+        loop = asyncio.ensure_future(s.run())
+        runner = request(s, prompt(5, 1), 2, 60)
+        s.submit(runner)
+        await runner.events.get()
+        box["reqs"] = reqs = [request(s, prompt(40, 2 + i), 2, 8) for i in range(3)]
+        for r in reqs:
+            s.submit(r)
+        _, expired = await drain(reqs[2])
+        toks, err = await drain(runner)
+        await settle(s, te, de)
+        loop.cancel()
+        return err, expired, reqs
+    err, expired, reqs = asyncio.run(main())
+    assert err is None and expired[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert [r.prefilled for r in reqs] == [24, 16, 8] and all(r.finished for r in reqs)
+    released = {i for who, m, req in log if m == "Release" for i in req.request_ids}
+    assert {r.id for r in reqs} <= released
+
+
+def test_a_draft_failing_on_a_chunk_costs_drafts_not_tokens(models):
+    te, de, s, log = cluster(models, 16, fail_d=lambda m, req: m == "Propose" and any(
+        it.num_draft_tokens == 0 for it in req.items))
+
+    async def main():
+        loop = asyncio.ensure_future(s.run())
+        r = request(s, prompt(50, 3), 3, 12)
+        s.submit(r)
+        toks, err = await drain(r)
+        await settle(s, te, de)
+        loop.cancel()
+        return r, toks, err
+    r, toks, err = asyncio.run(main())
+    assert err is None and s.avail.degraded is not None
+    assert toks == greedy_generate(models[0], r.prompt_ids, 12)
+
+
+def test_a_target_failing_mid_prompt_ends_it_with_unavailable(models):
+    calls = []
+
+    def fail(method, req):
+        calls.append(method)
+        return method == "Prefill" and calls.count("Prefill") == 3
+    te, de, s, log = cluster(models, 16, fail_t=fail)
+
+    async def main():
+        loop = asyncio.ensure_future(s.run())
+        r = request(s, prompt(60, 4), 2, 12)
+        s.submit(r)
+        out = await drain(r)
+        await settle(s, te, de)
+        loop.cancel()
+        return r, out
+    r, (toks, err) = asyncio.run(main())
+    assert toks == [] and err[0] == grpc.StatusCode.UNAVAILABLE and r.prefilled == 32
+
+
+def test_the_budget_flag_is_checked_by_name_and_passed_on_by_tandem_serve():
+    from gateway.config import parse
+    from tandem import serve
+    with pytest.raises(SystemExit, match=r"--max-num-batched-tokens must be >= 0 \(0: prompts prefilled whole\), got -1"):
+        parse(["--random-config", "tiny", "--max-num-batched-tokens", "-1"])
+    assert parse(["--random-config", "tiny", "--max-num-batched-tokens", "0"]).max_num_batched_tokens == 0
+    cmds = {name: cmd for name, cmd, _ in serve.commands(serve.parse(["--random-config", "tiny",
+                                                                      "--max-num-batched-tokens", "96"]))}
+    i = cmds["gateway"].index("--max-num-batched-tokens")
+    assert cmds["gateway"][i + 1] == "96"
