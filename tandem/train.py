@@ -29,11 +29,20 @@ from models.moe import MoE
 from models.tiny import init_random_, train_tokenizer
 
 EOS, SKIP_DIRS = 2, {"site-packages", "dist-packages", "__pycache__"}  # test dirs are kept: code too
-ARCH = dict(  # 22 layers of width 192: one MTP step ~1/10 of a target step on CPU (tandem bench steps); 43.7 MB bf16
-    vocab_size=8192, hidden_size=192, num_hidden_layers=22, num_attention_heads=6, num_key_value_heads=6,
+ARCH_1 = dict(  # edition 1, today's bundled model: ~15.5 M parameters with the MTP layer, 31 MB in bf16
+    vocab_size=8192, hidden_size=256, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=8,
+    q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    intermediate_size=768, moe_intermediate_size=256, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+ARCH = dict(  # edition 2 (issue 18, not adopted yet): 22 layers of width 192, one MTP step ~1/10 of a target step on
+    vocab_size=8192, hidden_size=192, num_hidden_layers=22, num_attention_heads=6, num_key_value_heads=6,  # CPU; 43.7 MB
     q_lora_rank=128, kv_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
     intermediate_size=576, moe_intermediate_size=128, n_routed_experts=8, n_shared_experts=1,
     num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+# --edition: the shape, schedule and pre-tokenizer of each bundled model ("gpt2": byte-level pre-tokens, GPT-2's
+# split; "code": models/tiny.py CODE_SPLIT, a line break its own pre-token); other flags override them
+EDITIONS = {1: dict(arch=ARCH_1, lr=2e-3, max_steps=0, eval_every=500, pre_tokens="gpt2"),
+            2: dict(arch=ARCH, lr=1.5e-3, max_steps=1200, eval_every=100, pre_tokens="code")}
 
 
 @dataclass
@@ -46,21 +55,22 @@ class TrainConfig:
     max_files: int = 0                        # 0: all (small for smoke tests)
     heldout_frac: float = 0.05
     seed: int = 0
-    arch: dict = field(default_factory=lambda: dict(ARCH))  # config.json fields; --arch KEY=JSON overrides
+    edition: int = 1                          # EDITIONS: 1 today's bundled model, 2 the deeper one of issue 18
+    arch: dict = field(default_factory=lambda: dict(ARCH_1))  # config.json fields; --arch KEY=JSON overrides
     seq_len: int = 1024
     batch_size: int = 64                      # sequences per optimizer step
     micro_batch: int = 64                     # sequences per forward
-    lr: float = 1.5e-3
+    lr: float = 2e-3
     min_lr_frac: float = 0.1
     warmup_steps: int = 200
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     mtp_lambda: float = 0.3
     bias_gamma: float = 1e-3
-    max_steps: int = 1200                     # ~9.5 epochs of the stdlib's 8.3 M training tokens; 0: the time budget
+    max_steps: int = 0                        # 0: the time budget (edition 2: 1200, ~9.5 epochs of 8.3 M tokens)
     max_minutes: float = 10.0                 # the whole command, data and export included
     reserve_s: float = 45.0                   # of that, kept for the final eval and export
-    eval_every: int = 100
+    eval_every: int = 500
     eval_seqs: int = 64                       # periodic eval; the final one uses up to 8x
     save_every_minutes: float = 3.0
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,7 +126,9 @@ def prepare_data(c: TrainConfig, out: Path, reuse_tokenizer: bool):
         root=str(root), python=sys.version.split()[0], seed=c.seed, fraction=c.heldout_frac,
         n_train_files=len(train_files), n_heldout_files=len(held_files), files=held_files), indent=1))
     if not (reuse_tokenizer and (out / "tokenizer.json").exists()):
-        train_tokenizer(((root / f).read_text(errors="ignore") for f in train_files), c.arch["vocab_size"], out)
+        from tokenizers import pre_tokenizers
+        pre = None if EDITIONS[c.edition]["pre_tokens"] == "code" else pre_tokenizers.ByteLevel(add_prefix_space=False)
+        train_tokenizer(((root / f).read_text(errors="ignore") for f in train_files), c.arch["vocab_size"], out, pre)
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     train_ids, held_ids = (token_stream(tok, root, fs).to(c.device) for fs in (train_files, held_files))
     info = dict(root=str(root), python=sys.version.split()[0], train_files=len(train_files),
@@ -235,14 +247,19 @@ def export(target, draft, cfg_raw: dict, out: Path) -> int:
 
 
 def parse(argv: list[str]) -> TrainConfig:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--edition", type=int, default=1, choices=sorted(EDITIONS))
+    edition = EDITIONS[pre.parse_known_args(argv)[0].edition]
     p = argparse.ArgumentParser(prog="tandem train", description=__doc__.splitlines()[0])
     p.add_argument("--arch", action="append", default=[], metavar="KEY=JSON", help="config.json field, e.g. hidden_size=128")
     for f in (f for f in dataclasses.fields(TrainConfig) if f.name != "arch"):
-        kind = type(f.default)
+        kind, default = type(f.default), edition.get(f.name, f.default)
         conv = (lambda s: s.lower() in ("1", "true", "yes", "on")) if kind is bool else kind
-        p.add_argument("--" + f.name.replace("_", "-"), type=conv, default=f.default, metavar=kind.__name__.upper())
+        p.add_argument("--" + f.name.replace("_", "-"), type=conv, default=default, metavar=kind.__name__.upper())
     args = vars(p.parse_args(argv))
-    args["arch"] = {**ARCH, **{k: json.loads(v) for k, v in (a.split("=", 1) for a in args["arch"])}}
+    if args["edition"] not in EDITIONS:
+        p.error(f"--edition must be one of {sorted(EDITIONS)}, got {args['edition']}")
+    args["arch"] = {**edition["arch"], **{k: json.loads(v) for k, v in (a.split("=", 1) for a in args["arch"])}}
     return TrainConfig(**args)
 
 

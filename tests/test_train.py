@@ -35,9 +35,18 @@ def trained(tmp_path_factory) -> Path:
     args = [f"--arch={k}={v}" for k, v in TINY.items()] + [
         "--max-files", "24", "--seq-len", "32", "--batch-size", "4", "--micro-batch", "2", "--max-steps", "4",
         "--eval-every", "2", "--eval-seqs", "4", "--warmup-steps", "2", "--max-minutes", "5", "--reserve-s", "1",
-        "--out", str(out / "ck"), "--work-dir", str(out / "work"), "--device", "cpu"]
+        "--out", str(out / "ck"), "--work-dir", str(out / "work"), "--device", "cpu", "--edition", "2"]
     assert train.main(args) == 0
     return out / "ck"
+
+
+def test_editions():
+    """--edition 1 (the default) is today's bundled model's shape and schedule; 2 the deeper one; flags win."""
+    one, two = train.parse([]), train.parse(["--edition", "2", "--lr", "1e-3"])
+    assert one.arch == train.ARCH_1 and (one.lr, one.max_steps, one.eval_every) == (2e-3, 0, 500)
+    assert two.arch == train.ARCH and (two.lr, two.max_steps, two.eval_every) == (1e-3, 1200, 100)
+    assert json.loads((Path(__file__).parents[1] / "checkpoints/tandem-code-mini/config.json").read_text())[
+        "num_hidden_layers"] == one.arch["num_hidden_layers"]
 
 
 def test_train_exports_a_servable_checkpoint(trained):
