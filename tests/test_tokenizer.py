@@ -80,9 +80,13 @@ def test_round_trip_and_pre_tokens(trained, pairs):
 
 
 def test_bundled_tokenizer(pairs):
-    """The shipped model's tokenizer has the code split and the property (on every held-out cut here)."""
+    """The shipped model's tokenizer: with the code split it has the property on every held-out cut here;
+    today's (GPT-2-style pre-tokens, README "The default model") is known to break it on most cuts, and this
+    test says so until the model is replaced (issue 18)."""
     tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
     pre = json.loads(tok.to_str())["pre_tokenizer"]
-    if CODE_SPLIT not in [p.get("pattern", {}).get("Regex") for p in pre.get("pretokenizers", [pre])]:
-        pytest.skip("the bundled tokenizer predates the code pre-tokenizer (issue 18: replaced with the new model)")
-    assert prefix_failures(tok, pairs) == []
+    failures = prefix_failures(tok, pairs)
+    if CODE_SPLIT in [p.get("pattern", {}).get("Regex") for p in pre.get("pretokenizers", [pre])]:
+        assert failures == []
+    else:
+        assert len(failures) > len(pairs) // 2, (len(failures), len(pairs))
