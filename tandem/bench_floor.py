@@ -58,8 +58,9 @@ class ExpertCounter:
 
     def _hook(self, name):
         def hook(_module, _inputs, output):
-            if self.active and not torch.cuda.is_current_stream_capturing():   # a host read: never in a capture
-                self.touched.setdefault(name, set()).update(output[1].flatten().tolist())
+            ids = output[1]                                     # a host read: never in a capture (CPU torch has none)
+            if self.active and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self.touched.setdefault(name, set()).update(ids.flatten().tolist())
         return hook
 
     def bytes_read(self) -> int:
