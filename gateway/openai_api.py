@@ -192,7 +192,9 @@ def completion_logprobs(token_ids: list[int], entries: list, token_str, offset: 
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(e.logprob)
-        top = dict(_top(e, token_str))
+        top: dict[str, float] = {}
+        for alt, lp in _top(e, token_str):     # best first: two ids of one text keep the higher logprob
+            top.setdefault(alt, lp)
         top.setdefault(s, e.logprob)
         out["top_logprobs"].append(top)
     return out

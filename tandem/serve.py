@@ -47,9 +47,8 @@ def parse(argv):
     p.add_argument("--speculation", default="fixed", choices=["fixed", "adaptive"], help="gateway: fixed K a "
                    "round, or each request's k chosen each round from live acceptance and measured costs")
     p.add_argument("--device", default="cpu", help="cpu | cuda (target on cuda:0, draft on cuda:1 if present)")
-    p.add_argument("--draft-device", default="", help="the draft's device, e.g. cuda:0 to share the target's GPU "
-                   "(hidden rows then move by CUDA IPC); default: cuda:1 with --device cuda and two GPUs, else "
-                   "the target's")
+    p.add_argument("--draft-device", default="", help="the draft's device, e.g. cuda:0 to share the target's GPU (rows "
+                   "then move by CUDA IPC); default: cuda:1 with --device cuda and two GPUs, else the target's")
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--hidden-transport", default="auto", choices=HIDDEN_TRANSPORTS,
                    help="auto: NCCL between two GPUs, CUDA IPC on one GPU, gloo on CPU")
