@@ -1,0 +1,112 @@
+"""gateway/lanes.py over real gRPC: one stream reused while calls succeed; a failure, timeout or cancellation
+drops it and a late answer is never taken for the next call's; a service without the stream method is
+called unary. The server side is the services' own stream handler (services/servicer.py `_stream`)."""
+import asyncio
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from gateway.lanes import Lane
+from services.servicer import STREAM_THREADS, ServicerBase
+from tandem.v1 import target_pb2, target_pb2_grpc
+
+
+class Target(target_pb2_grpc.TargetServiceServicer):
+    """Verify answers by the first item's id: "ok:N" -> num_accepted N; "slow:N" -> N after 0.5 s; "bad" -> an
+    INVALID_ARGUMENT abort. Counts the calls it ran."""
+
+    def __init__(self):
+        self.ran = 0
+
+    def Verify(self, request, context):
+        self.ran += 1
+        what, _, n = request.items[0].request_id.partition(":")
+        if what == "bad":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request 'bad': refused")
+        if what == "slow":
+            time.sleep(0.5)
+        return target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(num_accepted=int(n))])
+
+
+class StreamingTarget(Target):
+    def VerifyStream(self, requests, context):
+        return ServicerBase._stream(self, "tandem.v1.TargetService/Verify", self.Verify, requests, context)
+
+
+StreamingTarget.VerifyStream.experimental_thread_pool = STREAM_THREADS
+
+
+def req(rid: str) -> target_pb2.VerifyRequest:
+    return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(request_id=rid)])
+
+
+def run(servicer, body):
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    async def main():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            return await body(Lane(stub.VerifyStream, stub.Verify, "target VerifyStream"))
+    try:
+        return asyncio.run(main())
+    finally:
+        server.stop(0)
+
+
+def test_one_stream_while_calls_succeed():
+    async def body(lane):
+        got = [(await lane(req(f"ok:{i}"), timeout=5)).results[0].num_accepted for i in range(20)]
+        return got, lane.opened, lane.streaming
+    got, opened, streaming = run(StreamingTarget(), body)
+    assert got == list(range(20)) and opened == 1 and streaming
+
+
+def test_a_failure_is_the_unary_status_and_the_next_call_opens_a_new_stream():
+    async def body(lane):
+        await lane(req("ok:1"), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await lane(req("bad"), timeout=5)
+        after = (await lane(req("ok:2"), timeout=5)).results[0].num_accepted
+        return e.value, after, lane.opened
+    err, after, opened = run(StreamingTarget(), body)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "refused" in err.details()
+    assert after == 2 and opened == 2
+
+
+def test_a_late_answer_is_never_taken_for_the_next_call():
+    async def body(lane):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await lane(req("slow:99"), timeout=0.1)
+        nxt = [(await lane(req(f"ok:{i}"), timeout=5)).results[0].num_accepted for i in (7, 8)]
+        await asyncio.sleep(0.6)                    # the slow call's answer has come and gone
+        last = (await lane(req("ok:9"), timeout=5)).results[0].num_accepted
+        return e.value.code(), nxt, last, lane.opened
+    code, nxt, last, opened = run(StreamingTarget(), body)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert nxt == [7, 8] and last == 9 and opened == 2
+
+
+def test_cancelled_caller_drops_the_stream():
+    async def body(lane):
+        task = asyncio.ensure_future(lane(req("slow:5"), timeout=5))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return (await lane(req("ok:3"), timeout=5)).results[0].num_accepted, lane.opened
+    assert run(StreamingTarget(), body) == (3, 2)
+
+
+def test_a_service_without_the_stream_is_called_unary():
+    target = Target()
+
+    async def body(lane):
+        got = [(await lane(req(f"ok:{i}"), timeout=5)).results[0].num_accepted for i in range(3)]
+        return got, lane.streaming
+    got, streaming = run(target, body)
+    assert got == [0, 1, 2] and not streaming and target.ran == 3
