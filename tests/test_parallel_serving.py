@@ -44,7 +44,8 @@ from models.loader import load_model
 from models.model import TargetModel
 from models.runner import greedy_generate
 from infra.grpc_server import channel_options
-from tandem.v1 import draft_pb2, generate_pb2 as gen, generate_pb2_grpc, rows_pb2, target_pb2
+from tandem.v1 import common_pb2, draft_pb2, generate_pb2 as gen, generate_pb2_grpc, rows_pb2, target_pb2, \
+    target_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +61,7 @@ TARGETS = {(1, 1, False): [], (2, 1, False): ["--tp", "2"], (2, 1, True): ["--tp
 DRAFTS = {"tp1": [], "tp2": ["--tp", "2"], "tp2-sp": ["--tp", "2"] + SP}
 COMBOS = [(t, dtp) for t in TARGETS for dtp in (1, 2)]        # (target layout, draft tp)
 REF = ((1, 1, False), 1)
+CACHED = ((2, 1, True), 2)           # the TP2 + SP layout, also served with prefix caching off (the last gateway)
 
 
 def draft_name(combo) -> str:
@@ -148,6 +150,10 @@ def mesh(ckpt, tmp_path_factory, request):
     drafts = [{"name": f"draft-{d}", "args": DRAFTS[d]} for d in d_names]
     gateways = [{"name": "gateway-" + combo_id(c), "target": t_names.index(c[0]), "draft": d_names.index(draft_name(c))}
                 for c in COMBOS]
+    off = ["--no-prefix-cache"]
+    targets.append({"name": "target-tp2-sp-nocache", "args": TARGETS[CACHED[0]] + off})
+    drafts.append({"name": "draft-tp2-sp-nocache", "args": DRAFTS["tp2-sp"] + off})
+    gateways.append({"name": "gateway-nocache", "target": len(targets) - 1, "draft": len(drafts) - 1})
     with Cluster(ckpt, k=K, hidden_transport="inline", targets=targets, drafts=drafts, gateways=gateways,
                  log_dir=tmp_path_factory.mktemp("mesh-logs")) as c:
         yield from serve_module(c, request)
@@ -163,9 +169,9 @@ def served(mesh) -> dict:
         calls = [(name, stub.GenerateStream(request(p, m, k), timeout=RPC_TIMEOUT)) for name, p, m, k in BATCH]
         out.update((name, collect(call)) for name, call in calls)
         return out
-    with ThreadPoolExecutor(max_workers=len(COMBOS)) as pool:
+    with ThreadPoolExecutor(max_workers=len(mesh.gateways)) as pool:
         results = list(pool.map(run, [g.stub for g in mesh.gateways]))
-    return dict(zip(COMBOS, results))
+    return {**dict(zip(COMBOS, results)), "nocache": results[len(COMBOS)]}
 
 
 # --- layouts: identical tokens and acceptance --------------------------------------------------
@@ -201,6 +207,21 @@ def test_layout_serves_identical_tokens_and_acceptance(served, combo):
         assert got[name].stats == ref[name].stats, \
             f"{name}: spec_stats (drafts, draft tokens, accepted, per position) {got[name].stats} != {ref[name].stats}"
         assert got[name].finish == ref[name].finish, name
+
+
+def test_prefix_caching_on_equals_off_with_tp2_sp(mesh, served):
+    """TP2 + SP target and TP2 + SP draft: the same tokens, rounds and acceptance with the prefix cache on (it
+    took hits: every prompt also reached that target through another gateway) as with it off."""
+    on, off = served[CACHED], served["nocache"]
+    for name, _, _, _ in CASES:
+        assert (on[name].tokens, on[name].rounds, on[name].stats) == (off[name].tokens, off[name].rounds,
+                                                                     off[name].stats), name
+    def info(name: str):
+        stub = target_pb2_grpc.TargetServiceStub(mesh.channel(mesh.proc(name).addr))
+        return stub.GetInfo(common_pb2.InfoRequest(), timeout=30)
+    cached, nocache = info("target-" + layout_id(CACHED[0])), info("target-tp2-sp-nocache")
+    assert cached.prefix_caching and cached.prefix_cache_hits > 0, cached
+    assert not nocache.prefix_caching and nocache.prefix_cache_hits == 0
 
 
 def test_mesh_drained_and_serving(mesh, served):
