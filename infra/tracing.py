@@ -110,14 +110,10 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         method = details.method
         if not _enabled or handler is None or handler.unary_unary is None or method.startswith(SKIP_METHODS):
             return handler
-        parent = extract(details.invocation_metadata)
-        inner = handler.unary_unary
-        service, _, name = method.lstrip("/").rpartition("/")
+        inner, metadata = handler.unary_unary, details.invocation_metadata
 
         def traced(request, context):
-            with tracer().start_as_current_span(method.lstrip("/"), context=parent, kind=trace.SpanKind.SERVER,
-                                                attributes={"rpc.system": "grpc", "rpc.service": service,
-                                                            "rpc.method": name}):
+            with server_span(method.lstrip("/"), metadata):
                 return inner(request, context)
         return grpc.unary_unary_rpc_method_handler(traced, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)
@@ -128,9 +124,9 @@ def server_interceptors() -> list:
 
 
 @contextmanager
-def message_span(method: str, carrier):
-    """One call on a persistent stream as the interceptor makes a unary call: a SERVER span named after
-    the unary method ("tandem.v1.TargetService/Verify"), child of the trace context the message carries."""
+def server_span(method: str, carrier):
+    """A SERVER span named after the unary method ("tandem.v1.TargetService/Verify"), child of the trace
+    context in `carrier`: a unary call's metadata (the interceptor) or a stream message's trace_context."""
     if not _enabled:
         yield None
         return

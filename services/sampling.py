@@ -31,15 +31,19 @@ class Sampling:
                                    + ("a finite number >= 0" if name == "temperature" else "a number in [0, 1]"))
         return cls(s.temperature, s.top_p, s.top_k, s.seed if s.HasField("seed") else None)
 
+    def stream_seed(self, stream: int = 0) -> int:
+        """A uint64 seed of the request's random stream `stream` (seed + stream, so target and draft draw
+        apart; wraps at 2**64), or a random one for an unseeded request."""
+        return (self.seed + stream) % (1 << 64) if self.seed is not None else int.from_bytes(os.urandom(8), "little")
+
     def generator(self, stream: int = 0) -> torch.Generator:
-        """The request's CPU generator: seeded (seed + stream, so target and draft draw apart; wraps at 2**64)
-        or random."""
-        seed = (self.seed + stream) % (1 << 64) if self.seed is not None else int.from_bytes(os.urandom(8), "little")
+        """The request's CPU generator on stream_seed(stream)."""
+        seed = self.stream_seed(stream)
         return torch.Generator().manual_seed(seed >> 1 if self.seed is None else seed)
 
 
 def noise_seed(s: Sampling) -> int:
     """The draft's noise key of a sampled request (services/draft/noise.py): its seed (apart from the target's
     streams) or a random one; an int64."""
-    seed = (s.seed + 1) % (1 << 64) if s.seed is not None else int.from_bytes(os.urandom(8), "little")
+    seed = s.stream_seed(1)
     return seed - (1 << 64) if seed >= 1 << 63 else seed

@@ -61,7 +61,7 @@ class ServicerBase:
         for request in requests:
             if not context.is_active():
                 return
-            with tracing.message_span(method, request.trace_context):
+            with tracing.server_span(method, request.trace_context):
                 yield one(request, context)
 
     def GetInfo(self, request, context):
