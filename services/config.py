@@ -16,6 +16,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_PORTS = {"target": 50052, "draft": 50053}
 DEFAULT_DIST_ADDRS = {"target": "127.0.0.1:29660", "draft": "127.0.0.1:29670"}
 FLAG_HELP = {
+    "max_model_len": "context a request may use, prompt + output (0: the model's max_position_embeddings); "
+                     "never more than the model's or the KV cache's (--num-blocks x --block-size)",
     "random_config": "serve a random-weight preset of models/presets.py (v2-lite, v2-lite-yarn, v32-slice, tiny, tiny-v32) built "
                      "on the device, instead of --model; no tokenizer: clients send token ids",
     "seed": "seed of the --random-config weights (target and draft must use the same one)",
@@ -53,7 +55,7 @@ class ServiceConfig:
     hidden_transport: str = "auto"   # auto | gloo | nccl | ipc | inline (auto: agreed with the peer, services/bridge)
     num_blocks: int = 2048
     block_size: int = 16
-    max_model_len: int = 4096
+    max_model_len: int = 0           # 0: the model's own (launch.context_limit caps it by model and cache)
     threads: int = 1                 # torch CPU threads (one per process keeps a local cluster calm)
     bridge_timeout_s: float = 10.0   # draft: how long Propose waits for a bridge frame
     bridge_ipc_mib: int = 256        # target: CUDA IPC ring of 8 slots (a slot: the largest transfer; larger go inline)

@@ -21,8 +21,18 @@ from services.servicer import hello
 log = logging.getLogger("tandem.launch")
 
 
+def context_limit(asked: int, model_max: int, cache_tokens: int, what: str = "tandem") -> int:
+    """The context one request may use: the asked max_model_len (0: the model's max_position_embeddings), never
+    more than the model's positions or the whole KV cache."""
+    limit = min(asked or model_max, model_max, cache_tokens)
+    if asked and limit < asked or not asked and limit < model_max:
+        log.warning("%s: max_model_len %d (asked %s; the model has %d positions, the KV cache %d tokens)",
+                    what, limit, asked or "the model's", model_max, cache_tokens)
+    return limit
+
+
 def build_engine(engine_cls, model_cls, model: str, device: str, dtype: torch.dtype, ps: ParallelState | None = None,
-                 num_blocks: int = 2048, block_size: int = 16, max_model_len: int = 4096, index_scoring: str = "auto",
+                 num_blocks: int = 2048, block_size: int = 16, max_model_len: int = 0, index_scoring: str = "auto",
                  graphs: bool = True, graph_batch: int = 64, what: str = "tandem", prefix_cache: bool = False,
                  quantization: str = "auto"):
     """Model -> KV cache -> engine -> CUDA graphs, as every service and benchmark builds them. model: a
@@ -38,7 +48,8 @@ def build_engine(engine_cls, model_cls, model: str, device: str, dtype: torch.dt
     if mc.sparse_attention:
         log.info("%s: DeepSeek sparse attention: index_topk %d, %d index heads of %d, %s scoring", what,
                  mc.index_topk, mc.index_n_heads, mc.index_head_dim, cache.index_scoring)
-    engine = engine_cls(m, cache, min(max_model_len, mc.max_position_embeddings))
+    engine = engine_cls(m, cache, context_limit(max_model_len, mc.max_position_embeddings, num_blocks * block_size,
+                                                what))
     if prefix_cache:                           # the salt: what else decides a block's values
         ident = f"{model_identity(model)}|{dtype}|tp={ps.tp_size if ps else 1}"
         rows = f"|rows of the target {model_identity(model)}" if engine_cls.prefix_shift else ""

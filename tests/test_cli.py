@@ -22,7 +22,7 @@ def test_bench_help_lists_the_benchmarks_and_exits_0():
 
 
 @pytest.mark.parametrize("cmd, flag, default", [("serve", "--http-port", "8000"), ("gateway", "--grpc-port", "50051"),
-                                                ("target", "--num-blocks", "2048"), ("draft", "--max-model-len", "4096")])
+                                                ("target", "--num-blocks", "2048"), ("draft", "--max-model-len", "0")])
 def test_help_shows_defaults(cmd, flag, default):
     r = tandem(cmd, "--help")
     assert r.returncode == 0, r.stderr
@@ -48,3 +48,16 @@ def test_a_bad_acceptance_profile_is_refused_at_once():
     assert r.returncode == 2 and "every probability must be in [0, 1], got 0.9,1.5" in r.stderr, r.stderr
     for name in ("overlap", "profile"):
         assert f"\n  {name} " in tandem("bench", "--help").stdout
+
+
+def test_context_limit_is_the_models_capped_by_the_cache():
+    from services.launch import context_limit
+    assert context_limit(0, 163840, 2048 * 16) == 32768           # a YaRN model: the whole cache, not more
+    assert context_limit(0, 2048, 32768) == 2048                   # the model's own positions
+    assert context_limit(40000, 163840, 65536) == 40000            # asked, within both
+    assert context_limit(9000, 4096, 65536) == 4096                # never beyond the model's positions
+    from tandem import serve
+    cmds = dict((role, argv) for role, argv, _ in serve.commands(serve.parse(["--max-model-len", "1000"])))
+    for role in ("target", "draft"):
+        i = cmds[role].index("--max-model-len")
+        assert cmds[role][i + 1] == "1000", (role, cmds[role])
