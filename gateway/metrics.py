@@ -188,14 +188,14 @@ class _Collector:
         yield from (used, free, up)
         yield from _prefix_cache(m.info, lab)
         g = GaugeMetricFamily("tandem:hidden_transport_info", "1 for the transport hidden rows take now "
-                              "(bridge:gloo|nccl|ipc, inline, none)", labels=["model_name", "transport"])
+                              "(bridge:shm|gloo|nccl|ipc, inline, none)", labels=["model_name", "transport"])
         g.add_metric(lab + [hidden_transport(s, m.info)], 1)
         yield g
         yield from _availability(s.avail, lab)
 
 
 def hidden_transport(s, info: dict) -> str:
-    """How hidden rows travel now: "bridge:<gloo|nccl|ipc>" while the gateway asks for the bridge and the
+    """How hidden rows travel now: "bridge:<shm|gloo|nccl|ipc>" while the gateway asks for the bridge and the
     target's end of it is connected (its last GetInfo), else "inline"; "none" without a draft."""
     if s.draft is None:
         return "none"

@@ -6,18 +6,23 @@ MAX_NUM_BATCHED_TOKENS = 2048   # prompt positions a gateway step prefills (gate
 MAX_DRAFT_TOKENS = 16           # the most a request may ask for (services: --max-draft-tokens)
 
 # How hidden rows travel between target and draft. auto is settled by both sides from their devices
-# (services/bridge/transport.py): NCCL between two GPUs, CUDA IPC on one GPU, gloo on the CPU;
-# inline sends them in the gRPC messages (no bridge at all).
-BRIDGE_TRANSPORTS = ("auto", "gloo", "nccl", "ipc")
+# (services/bridge/transport.py): NCCL between two GPUs, CUDA IPC on one GPU, shared host memory (shm)
+# between two CPU processes of one host, gloo otherwise; inline sends them in the gRPC messages (no bridge).
+BRIDGE_TRANSPORTS = ("auto", "gloo", "nccl", "ipc", "shm")
 HIDDEN_TRANSPORTS = BRIDGE_TRANSPORTS + ("inline",)
 
 
-def transport_misfit(want: str, cuda: bool, same_gpu: bool, same_process: bool = False) -> str | None:
-    """Why the devices cannot carry an explicitly asked transport (None: they can, or `want` is auto/gloo/inline)."""
+def transport_misfit(want: str, cuda: bool, same_gpu: bool, same_process: bool = False, cpu: bool = False,
+                     same_shm: bool = True) -> str | None:
+    """Why the devices cannot carry an explicitly asked transport (None: they can, or `want` is auto/gloo/inline).
+    cuda / cpu: both sides on GPUs / both on the CPU; same_shm: both see one /dev/shm."""
     if want == "nccl" and (not cuda or same_gpu):
         return ("the nccl hidden transport needs target and draft on two different GPUs (NCCL refuses two ranks "
                 "on one GPU; use auto or ipc there)")
     if want == "ipc" and (not cuda or not same_gpu or same_process):
         return ("the ipc hidden transport needs target and draft on the same GPU in two processes (use auto or "
                 "nccl across GPUs)")
+    if want == "shm" and (not cpu or same_process or not same_shm):
+        return ("the shm hidden transport needs target and draft on the CPU in two processes that share /dev/shm "
+                "(one host; use auto or gloo otherwise)")
     return None

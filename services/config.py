@@ -109,6 +109,8 @@ class ServiceConfig:
         need(not self.device.startswith("cuda") or torch.cuda.is_available(), "--device cuda but CUDA is not available")
         need(self.bridge_backend not in ("nccl", "ipc") or self.device.startswith("cuda"),
              f"--hidden-transport {self.hidden_transport} needs --device cuda")
+        need(self.bridge_backend != "shm" or not self.device.startswith("cuda"),
+             "--hidden-transport shm needs --device cpu (on one GPU: ipc)")
         need(self.index_scoring in ("auto", "exact", "deployed"),
              f"--index-scoring must be auto|exact|deployed, got {self.index_scoring!r}")
         need(self.quantization in QUANTIZATIONS,

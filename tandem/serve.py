@@ -135,7 +135,8 @@ def placement(a) -> tuple[str, str]:
     else:
         d_dev = t_dev
     cuda = t_dev.startswith("cuda") and d_dev.startswith("cuda")
-    misfit = transport_misfit(a.hidden_transport, cuda, same_gpu=t_dev == d_dev)
+    cpu = not t_dev.startswith("cuda") and not d_dev.startswith("cuda")
+    misfit = transport_misfit(a.hidden_transport, cuda, same_gpu=t_dev == d_dev, cpu=cpu)
     if misfit:
         raise SystemExit(f"tandem serve: {misfit}; got target {t_dev}, draft {d_dev}")
     return t_dev, d_dev

@@ -1,6 +1,6 @@
 """The hidden-row bridge comes back after either end restarts (services/bridge/generations.py), with the
-other end in a real process that is SIGKILLed and started again: gloo on CPU; with CUDA also CUDA IPC
-(both ends on one GPU) and NCCL (two GPUs), each asked for as `auto`.
+other end in a real process that is SIGKILLed and started again: shared memory on CPU (asked for as
+`auto`) and gloo (asked for); with CUDA also CUDA IPC (both ends on one GPU) and NCCL (two GPUs), as `auto`.
 
 A draft that restarts joins the next generation; the target leaves the old one and pairs with it (the
 same handshake as at start-up), and rows move again. A target that restarts hosts a new store; the
@@ -27,15 +27,17 @@ REPO = Path(__file__).resolve().parent.parent
 HELLO = {"model_identity": "sha256:gen", "contract_version": CONTRACT_VERSION}
 ROWS = torch.arange(12, dtype=torch.float32).view(3, 4)
 GPUS = torch.cuda.device_count()
-PAIRS = [pytest.param("cpu", "cpu", "gloo", id="gloo"),           # (target's device, draft's, the transport)
-         pytest.param("cuda:0", "cuda:0", "ipc", id="ipc", marks=pytest.mark.skipif(GPUS < 1, reason="needs CUDA")),
-         pytest.param("cuda:0", "cuda:1", "nccl", id="nccl", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs"))]
+PAIRS = [pytest.param("cpu", "cpu", "auto", "shm", id="shm"),  # (target's device, draft's, asked, the transport)
+         pytest.param("cpu", "cpu", "gloo", "gloo", id="gloo"),
+         pytest.param("cuda:0", "cuda:0", "auto", "ipc", id="ipc", marks=pytest.mark.skipif(GPUS < 1, reason="needs CUDA")),
+         pytest.param("cuda:0", "cuda:1", "auto", "nccl", id="nccl",
+                      marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs"))]
 PEER = """
 import sys, time, torch
 from services.bridge.channel import RowChannel
 from test_bridge_generations import HELLO, ROWS, take
-role, addr, tid, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-ch = RowChannel(addr, role, "auto", device, hello=HELLO, timeout_s=60)
+role, addr, tid, device, want = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+ch = RowChannel(addr, role, want, device, hello=HELLO, timeout_s=60)
 while not ch.ready:
     time.sleep(0.05)
 if role == "sender":
@@ -64,11 +66,11 @@ def address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def peer(role: str, addr: str, tid: int, device: str) -> subprocess.Popen:
+def peer(role: str, addr: str, tid: int, device: str, want: str) -> subprocess.Popen:
     """The other end in its own process: connects, sends or takes transfer `tid`, then idles."""
     path = os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    return subprocess.Popen([sys.executable, "-c", PEER, role, addr, str(tid), device], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-c", PEER, role, addr, str(tid), device, want], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
@@ -84,17 +86,17 @@ def kill(p: subprocess.Popen) -> None:
     p.wait(timeout=10)
 
 
-@pytest.mark.parametrize("target_dev, draft_dev, transport", PAIRS)
-def test_the_target_pairs_with_a_restarted_draft(target_dev, draft_dev, transport):
+@pytest.mark.parametrize("target_dev, draft_dev, want, transport", PAIRS)
+def test_the_target_pairs_with_a_restarted_draft(target_dev, draft_dev, want, transport):
     addr = address()
-    target = RowChannel(addr, "sender", "auto", target_dev, hello=HELLO, timeout_s=60)
-    draft = peer("receiver", addr, 1, draft_dev)
+    target = RowChannel(addr, "sender", want, target_dev, hello=HELLO, timeout_s=60)
+    draft = peer("receiver", addr, 1, draft_dev, want)
     try:
         until(lambda: target.state() == (transport, 1), 60, "the first draft connected (generation 1)")
         target.send(1, ROWS.to(target_dev))
         assert draft.stdout.readline().strip() == f"took {ROWS.tolist()}"
         kill(draft)
-        draft = peer("receiver", addr, 2, draft_dev)    # the same address, as `tandem serve` restarts it
+        draft = peer("receiver", addr, 2, draft_dev, want)    # the same address, as `tandem serve` restarts it
         until(lambda: target.state() == (transport, 2), 60, "the restarted draft connected (generation 2)")
         target.send(2, ROWS.to(target_dev))
         assert draft.stdout.readline().strip() == f"took {ROWS.tolist()}"
@@ -103,17 +105,17 @@ def test_the_target_pairs_with_a_restarted_draft(target_dev, draft_dev, transpor
         kill(draft)
 
 
-@pytest.mark.parametrize("target_dev, draft_dev, transport", PAIRS)
-def test_the_draft_joins_a_restarted_target(target_dev, draft_dev, transport):
+@pytest.mark.parametrize("target_dev, draft_dev, want, transport", PAIRS)
+def test_the_draft_joins_a_restarted_target(target_dev, draft_dev, want, transport):
     addr = address()
-    target = peer("sender", addr, 1, target_dev)
+    target = peer("sender", addr, 1, target_dev, want)
     try:
-        draft = RowChannel(addr, "receiver", "auto", draft_dev, hello=HELLO, timeout_s=60)
+        draft = RowChannel(addr, "receiver", want, draft_dev, hello=HELLO, timeout_s=60)
         until(lambda: draft.ready, 60, "connected")
         assert draft.transport == transport and torch.equal(take(draft, 1).cpu(), ROWS)
         kill(target)
         until(lambda: not draft.ready, 10, "the draft saw its target go")
-        target = peer("sender", addr, 7, target_dev)    # a new store on the same port: generations start at 1
+        target = peer("sender", addr, 7, target_dev, want)    # a new store on the same port: generations start at 1
         until(lambda: draft.state() == (transport, 1), 60, "joined the restarted target")
         assert torch.equal(take(draft, 7).cpu(), ROWS)
     finally:

@@ -8,6 +8,7 @@ itself needs CUDA: tests/test_gpu_bridge.py.
 """
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -16,19 +17,29 @@ import torch
 
 from services.bridge.channel import RowChannel
 from services.bridge.transport import TransportError, choose_transport, endpoint
-from services.bridge.rows import CONTRACT_VERSION
+from services.bridge.rows import CONTRACT_VERSION, DTYPE_TO_PB, PB_TO_DTYPE
+from services.bridge.shm import ShmReceiver, ShmSender, shm_identity
 from services.config import ServiceConfig
 from tandem import serve
 
 GPU_A, GPU_B = "GPU-aaaa", "GPU-bbbb"
 
 
-def ep(requested="auto", device="cpu", uuid="", process="host:1"):
-    return {"requested": requested, "device": device, "uuid": uuid, "process": process}
+def ep(requested="auto", device="cpu", uuid="", process="host:1", shm="", tso=True):
+    return {"requested": requested, "device": device, "uuid": uuid, "process": process, "shm": shm, "tso": tso}
+
+
+SHM = "boot:42:7"                               # one /dev/shm (shm.shm_identity)
 
 
 @pytest.mark.parametrize("sender, receiver, want", [
-    (ep(), ep(process="host:2"), "gloo"),                                                      # both CPU
+    (ep(), ep(process="host:2"), "gloo"),                                           # both CPU, no /dev/shm
+    (ep(shm=SHM), ep(process="host:2", shm=SHM), "shm"),                            # both CPU, one /dev/shm
+    (ep(shm=SHM), ep(process="host:2", shm="boot:42:8"), "gloo"),                   # a container's own /dev/shm
+    (ep(shm=SHM), ep(shm=SHM), "gloo"),                                             # one process
+    (ep(shm=SHM, tso=False), ep(process="host:2", shm=SHM), "gloo"),                # not x86-64
+    (ep("gloo", shm=SHM), ep(process="host:2", shm=SHM), "gloo"),
+    (ep(device="cuda:0", uuid=GPU_A, shm=SHM), ep(process="host:2", shm=SHM), "gloo"),   # a GPU side
     (ep(device="cuda:0", uuid=GPU_A), ep(device="cuda:1", uuid=GPU_B, process="host:2"), "nccl"),
     (ep(device="cuda:0", uuid=GPU_A), ep(device="cuda:0", uuid=GPU_A, process="host:2"), "ipc"),
     # the same physical GPU under different process-visible indices is still one GPU
@@ -58,6 +69,8 @@ def test_choice(sender, receiver, want):
      r"\(GPU GPU-aaaa\), draft --hidden-transport ipc on cuda:1 \(GPU GPU-bbbb\)"),
     (ep("ipc", device="cuda:0", uuid=GPU_A), ep("ipc", device="cuda:0", uuid=GPU_A), r"in two processes"),
     (ep("carrier-pigeon"), ep(process="host:2"), r"target asks for hidden transport 'carrier-pigeon'"),
+    (ep("shm", shm=SHM), ep(process="host:2", shm="boot:42:8"), r"shm hidden transport needs .* share /dev/shm"),
+    (ep("shm", device="cuda:0", uuid=GPU_A, shm=SHM), ep(process="host:2", shm=SHM), r"shm hidden transport"),
 ])
 def test_refusals_name_both_sides(sender, receiver, match):
     with pytest.raises(TransportError, match=match):
@@ -67,6 +80,30 @@ def test_refusals_name_both_sides(sender, receiver, match):
 def test_endpoint_of_a_cpu_side():
     e = endpoint("auto", "cpu")
     assert e["requested"] == "auto" and e["device"] == "cpu" and e["uuid"] == "" and ":" in e["process"]
+    assert e["shm"] == shm_identity() and e["shm"].count(":") >= 2      # this machine has a /dev/shm
+
+
+def test_shared_memory_ring_carries_frames_and_reports_overwritten_ones():
+    sender = ShmSender(capacity=8 * 4096, slots=8)
+    receiver = ShmReceiver(sender.spec().encode())
+    names = {sender.shm.name, sender.headers.name}
+    try:
+        frames = {1: torch.randn(5, 8).to(torch.bfloat16), 2: torch.zeros(0, 8), 3: torch.randn(100, 8)}
+        for tid, rows in frames.items():
+            sender.push(tid, rows, DTYPE_TO_PB[rows.dtype])
+        for tid, rows in frames.items():
+            payload, code = receiver.take(tid)
+            got = payload.view(PB_TO_DTYPE[code]).reshape(rows.shape)
+            assert got.dtype == rows.dtype and torch.equal(got, rows)
+        sender.push(11, torch.ones(2, 8), DTYPE_TO_PB[torch.float32])    # slot 3 again: transfer 3 is gone
+        assert receiver.take(3) is None and receiver.take(11) is not None and receiver.take(19) is None
+        assert sender.fits(4096) and not sender.fits(4097)
+        with pytest.raises(ValueError, match="do not fit a shared-memory slot of 4096 bytes"):
+            sender.push(4, torch.zeros(129, 8), DTYPE_TO_PB[torch.float32])
+    finally:
+        receiver.close()
+        sender.close()
+    assert not names & set(os.listdir("/dev/shm"))                                 # the owner unlinked both
 
 
 # --- the channel agrees on CPU ------------------------------------------------------------------------

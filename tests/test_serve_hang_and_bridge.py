@@ -2,7 +2,7 @@
 
 A draft SIGKILLed and restarted by `tandem serve`: rows go inline while it is gone, and back on the
 bridge once the new draft joined the target's store (bridge generation 2 on both sides); /health and
-`tandem:hidden_transport_info` say "inline", then "bridge:gloo" again, `tandem:speculation_active` 0
+`tandem:hidden_transport_info` say "inline", then "bridge:shm" again, `tandem:speculation_active` 0
 then 1; greedy output after the restart equals K = 0, with drafts.
 
 A target that hangs (SIGSTOP) mid-stream: the gateway's health watch (1 s deadline, 3 misses) finds it
@@ -84,7 +84,7 @@ def bridge(s: Served) -> list[tuple[str, int]]:
 
 def on_bridge(url: str) -> bool:
     code, body = health(url)
-    return code == 200 and body["speculation"]["state"] == "active" and body["hidden_transport"] == "bridge:gloo"
+    return code == 200 and body["speculation"]["state"] == "active" and body["hidden_transport"] == "bridge:shm"
 
 
 def test_bridge_comes_back_after_a_draft_restart(served):
@@ -92,8 +92,8 @@ def test_bridge_comes_back_after_a_draft_restart(served):
     want = list(generate(served.stub, k=0).token_ids)                # the reference: K = 0
     wait_until(lambda: on_bridge(url), 30, "rows on the bridge at start")
     first = bridge(served)
-    assert first[0] == first[1] and first[0][0] == "gloo", first
-    assert transport_metric(url) == "bridge:gloo" and metric(url, "tandem:speculation_active") == 1
+    assert first[0] == first[1] and first[0][0] == "shm", first
+    assert transport_metric(url) == "bridge:shm" and metric(url, "tandem:speculation_active") == 1
 
     os.kill(served.pid("draft"), signal.SIGKILL)
     wait_until(lambda: health(url)[1]["speculation"]["state"] == "degraded", 10, "degraded")
@@ -102,8 +102,8 @@ def test_bridge_comes_back_after_a_draft_restart(served):
     assert list(generate(served.stub).token_ids) == want             # served without drafts meanwhile
 
     wait_until(lambda: on_bridge(url), 90, "speculation active and rows on the bridge again")
-    assert bridge(served) == [("gloo", first[0][1] + 1)] * 2         # a new generation on both sides
-    assert transport_metric(url) == "bridge:gloo" and metric(url, "tandem:speculation_active") == 1
+    assert bridge(served) == [("shm", first[0][1] + 1)] * 2         # a new generation on both sides
+    assert transport_metric(url) == "bridge:shm" and metric(url, "tandem:speculation_active") == 1
     resp = generate(served.stub)
     assert list(resp.token_ids) == want and resp.spec_stats.num_drafts > 0
     served.idle()

@@ -1,9 +1,9 @@
 """The bridge: a two-process channel that moves hidden rows target -> draft.
 
 Rank 0 (target) sends, rank 1 (draft) receives. The transport is agreed at start-up from both sides'
-request and device (transport.py): gloo on CPU, NCCL between two GPUs, CUDA IPC (ipc.py) when
-both are on one GPU (NCCL refuses two ranks on one device). The channel has its own TCPStore
-rendezvous (not the target's TP group), so either side can start first.
+request and device (transport.py): shared host memory (shm.py) between CPU processes of one host, gloo
+between other CPU sides, NCCL between two GPUs, CUDA IPC (ipc.py) when both are on one GPU (NCCL
+refuses two ranks on one device). The channel has its own TCPStore rendezvous (not the target's TP group), so either side can start first.
 
 NCCL and gloo pull: the target parks each transfer's rows under its id and answers when the draft
 asks for that id. No point-to-point operation is ever left posted while its peer is busy: an
@@ -14,9 +14,10 @@ cudaMalloc, a pageable copy) on that side. A request goes through the store; the
 stream. Pulls are serialized, so at most one frame is in flight. Parked rows not pulled within
 PARK_TTL_S are dropped.
 
-CUDA IPC pushes: nothing is ever posted, so the target copies each transfer into its slot of a ring
-in shared device memory as it sends it, and the draft copies it out when it asks, without a round
-trip (ipc.py has the ordering invariants). A transfer overwritten before it was taken is reported
+CUDA IPC and shared host memory push: nothing is ever posted, so the target copies each transfer into
+its slot of a ring in shared device (ipc.py) or host memory (shm.py, two CPU processes of one host) as it
+sends it, and the draft copies it out when it asks, without a round trip (ipc.py has the ordering
+invariants). A transfer overwritten before it was taken is reported
 gone (LookupError), never returned with another transfer's rows.
 
 Handshake and generations (how the two ends find each other, and again after either restarts):
@@ -35,9 +36,12 @@ from services.bridge.generations import FOREVER, Generations
 from services.bridge.ipc import DEFAULT_CAPACITY, IpcReceiver, IpcSender
 from services.bridge.link import Link
 from services.bridge.rows import DTYPE_TO_PB, PB_TO_DTYPE
+from services.bridge.shm import ShmReceiver, ShmSender
 from services.bridge.transport import TRANSPORTS
 
 PARK_TTL_S = 120.0
+RINGS_SENT = (IpcSender, ShmSender)               # transports that push frames into a ring (no pulls)
+RINGS_TAKEN = (IpcReceiver, ShmReceiver)
 
 
 class RowChannel(Generations):
@@ -58,8 +62,8 @@ class RowChannel(Generations):
     # --- sender (target) -----------------------------------------------------------------------
     def fits(self, rows: torch.Tensor) -> bool:
         """Whether the agreed transport can carry rows [N, D] (an IPC slot is bounded; others are not)."""
-        ipc = self._link.ipc if self._link is not None else None
-        return not isinstance(ipc, IpcSender) or ipc.fits(rows.numel() * rows.element_size())
+        ring = self._link.ipc if self._link is not None else None
+        return not isinstance(ring, RINGS_SENT) or ring.fits(rows.numel() * rows.element_size())
 
     def send(self, transfer_id: int, rows: torch.Tensor) -> None:
         """Make rows [N, D] of transfer_id available to the draft; returns at once. NCCL / gloo park
@@ -67,14 +71,15 @@ class RowChannel(Generations):
         ValueError when they do not fit the transport (ask `fits` first: the caller sends them inline)."""
         if not self.fits(rows):
             raise ValueError(f"hidden rows transfer {transfer_id}: {rows.numel() * rows.element_size()} bytes "
-                             f"({rows.shape[0]} rows) exceed a CUDA IPC slot of {self._ring.slot_bytes} bytes")
+                             f"({rows.shape[0]} rows) exceed a {self.transport} ring slot of "
+                             f"{self._link.ipc.slot_bytes} bytes")
         ready = None
         if self._stream is not None and rows.is_cuda:   # the rows are complete once the caller's stream is
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(rows.device))
         with self._lock:
             ipc = self._link.ipc if self._link is not None else None
-            if isinstance(ipc, IpcSender):
+            if isinstance(ipc, RINGS_SENT):
                 with _on(self._stream):
                     if ready is not None:
                         self._stream.wait_event(ready)
@@ -112,16 +117,17 @@ class RowChannel(Generations):
             link = self._link
             if link is None:
                 raise TimeoutError("hidden rows bridge not connected (joining again)")
-            if isinstance(link.ipc, IpcReceiver):
+            if isinstance(link.ipc, RINGS_TAKEN):
                 got = link.ipc.take(transfer_id, self._stream)
             else:
                 n_rows, row_bytes, code, payload = self._pull(link, transfer_id, timeout_s)
-        if isinstance(link.ipc, IpcReceiver):
+        if isinstance(link.ipc, RINGS_TAKEN):
             if got is None:
-                raise LookupError(f"hidden rows transfer {transfer_id} is not in its CUDA IPC slot "
+                raise LookupError(f"hidden rows transfer {transfer_id} is not in its {link.transport} ring slot "
                                   f"(overwritten by a later transfer, or never sent)")
             payload, code = got
-            payload.record_stream(torch.cuda.current_stream(payload.device))
+            if payload.is_cuda:
+                payload.record_stream(torch.cuda.current_stream(payload.device))
             dtype = PB_TO_DTYPE[code]
             return payload.view(dtype).reshape(payload.shape[0], payload.shape[1] // dtype.itemsize)
         dtype = PB_TO_DTYPE[code]

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from services.bridge.ipc import IpcReceiver, IpcSender, error_answer
+from services.bridge.shm import ShmReceiver, ShmSender
 from services.bridge.link import Link
 from services.bridge.transport import TransportError, choose_transport, endpoint
 from services.rendezvous import tcp_store
@@ -71,7 +72,7 @@ class Generations:
         self.transport: str | None = None             # gloo | nccl | ipc, as last agreed
         self.generation = 0                           # joined (draft) or served (target); 0: none yet
         self._link: Link | None = None                # the generation connected now
-        self._ring: IpcSender | None = None           # target: its CUDA IPC ring, shared with each generation
+        self._rings: dict[str, IpcSender | ShmSender] = {}   # target: its rings by transport (ipc, shm), reused
         self._ready = threading.Event()
         self._parked: dict[int, tuple[float, torch.Tensor, object]] = {}
         self._lock = threading.Condition()            # the link, parked rows, the draft's store client
@@ -167,8 +168,8 @@ class Generations:
         self._handshake(prefix)
         transport = self._agree(prefix)
         link = Link(gen, prefix, transport, self.rank, torch.device("cpu") if transport == "gloo" else self.device)
-        if transport == "ipc":
-            link.ipc = self._open_ipc(prefix)
+        if transport in ("ipc", "shm"):
+            link.ipc = self._open_ring(prefix, transport)
         else:
             store = dist.PrefixStore(prefix + "pg", self._store)
             link.pg = (dist.ProcessGroupNCCL(store, self.rank, 2) if transport == "nccl"
@@ -229,17 +230,21 @@ class Generations:
         peer = json.loads(self._exchange(prefix, "endpoint", json.dumps(mine)))
         return choose_transport(*((mine, peer) if self.role == "sender" else (peer, mine)))
 
-    def _open_ipc(self, prefix: str) -> IpcSender | IpcReceiver:
-        """Sender: share its ring (allocated once), attach the receiver's answer; receiver: map it and
-        answer. A side that fails publishes its error instead, so the other fails at once naming it."""
+    def _open_ring(self, prefix: str, transport: str):
+        """A ring of pushed frames, CUDA IPC or shared host memory. Sender: share its ring (allocated once),
+        attach the receiver's answer; receiver: map it and answer. A side that fails publishes its error
+        instead, so the other fails at once naming it."""
         sender = self.role == "sender"
         mine, theirs = f"{prefix}ipc/{self.role}", f"{prefix}ipc/{self._peer_role}"
         spec = None if sender else self._wait(theirs, self._timeout)
         try:
+            if sender and transport not in self._rings:
+                self._rings[transport] = (IpcSender(self.device, self._ipc_bytes) if transport == "ipc"
+                                          else ShmSender())
             if sender:
-                slot = self._ring = self._ring or IpcSender(self.device, self._ipc_bytes)
+                slot = self._rings[transport]
             else:
-                slot = IpcReceiver(self.device, spec)
+                slot = IpcReceiver(self.device, spec) if transport == "ipc" else ShmReceiver(spec)
             self._store.set(mine, slot.spec() if sender else slot.answer())
         except Exception as e:
             self._store.set(mine, error_answer(e))

@@ -5,7 +5,7 @@ of two ranks, or the CUDA IPC ring), and the frames that move rows over a proces
 A frame is a header [transfer_id, rows, bytes per row, dtype code] (int64) and the payload as bytes,
 sent by p2p on tags 0 and 1 (an empty payload is not sent). A generation that ends is closed: an NCCL
 group is aborted (a peer that died leaves its communicator unusable), a gloo group is dropped, the
-receiver unmaps the IPC ring (the sender keeps its ring and shares it with the next generation).
+receiver unmaps the IPC or shared-memory ring (the sender keeps its ring for the next generation).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 from services.bridge.ipc import IpcReceiver, IpcSender
 from services.bridge.rows import DTYPE_TO_PB
+from services.bridge.shm import ShmReceiver, ShmSender
 
 log = logging.getLogger("tandem.bridge")
 
@@ -24,11 +25,11 @@ log = logging.getLogger("tandem.bridge")
 class Link:
     generation: int
     prefix: str                                   # its keys in the store: tandem-bridge/<generation>/
-    transport: str                                # gloo | nccl | ipc
+    transport: str                                # gloo | nccl | ipc | shm
     rank: int                                     # 0: sender (target), 1: receiver (draft)
     wire: torch.device                            # where frames travel: the CPU for gloo
     pg: object = None                             # the two-rank process group (gloo, NCCL)
-    ipc: IpcSender | IpcReceiver | None = None    # the CUDA IPC ring (transport ipc)
+    ipc: IpcSender | IpcReceiver | ShmSender | ShmReceiver | None = None   # the ring of ipc or shm
     pulls: int = 0                                # pull requests of this generation so far
 
     @property
@@ -57,7 +58,7 @@ class Link:
         return tid, n_rows, row_bytes, code, payload
 
     def close(self) -> None:
-        if isinstance(self.ipc, IpcReceiver):
+        if isinstance(self.ipc, (IpcReceiver, ShmReceiver)):
             self.ipc.close()
         if self.transport == "nccl" and self.pg is not None:
             try:

@@ -3,12 +3,14 @@ draft compute the same answer from the same two records (and both fail naming bo
 from __future__ import annotations
 
 import os
+import platform
 import socket
 
 import torch
 
 from infra.defaults import BRIDGE_TRANSPORTS, transport_misfit
 from services.bridge.ipc import device_uuid
+from services.bridge.shm import shm_identity
 
 TRANSPORTS = BRIDGE_TRANSPORTS                  # what a side may ask for (inline: no channel at all)
 
@@ -21,14 +23,16 @@ def endpoint(requested: str, device) -> dict:
     """This side's record for `choose_transport`: the same GPU has the same UUID in every process."""
     device = torch.device(device)
     return {"requested": requested, "device": str(device), "uuid": device_uuid(device),
-            "process": f"{socket.gethostname()}:{os.getpid()}"}
+            "process": f"{socket.gethostname()}:{os.getpid()}", "shm": shm_identity(),
+            "tso": platform.machine().lower() in ("x86_64", "amd64")}
 
 
 def choose_transport(sender: dict, receiver: dict) -> str:
-    """Both sides' `endpoint` records -> gloo | nccl | ipc; TransportError naming both sides.
+    """Both sides' `endpoint` records -> gloo | nccl | ipc | shm; TransportError naming both sides.
 
-    auto: gloo when either side is on the CPU (or both ends live in one process on one GPU), NCCL
-    between two GPUs, CUDA IPC on one GPU. An explicit choice on one side wins over auto on the
+    auto: NCCL between two GPUs, CUDA IPC on one GPU, shm between two CPU processes that share /dev/shm
+    on x86-64 (shm.py: its slot check needs total store order), gloo otherwise (a CPU side elsewhere, or
+    both ends in one process). An explicit choice on one side wins over auto on the
     other; two different explicit choices are an error, as is one the devices cannot carry."""
     s, r = sender["requested"], receiver["requested"]
     both = (f"target --hidden-transport {s} on {sender['device']} (GPU {sender['uuid'] or '-'}), "
@@ -42,9 +46,13 @@ def choose_transport(sender: dict, receiver: dict) -> str:
     cuda = sender["device"].startswith("cuda") and receiver["device"].startswith("cuda")
     same_gpu = cuda and bool(sender["uuid"]) and sender["uuid"] == receiver["uuid"]
     same_process = sender["process"] == receiver["process"]
+    cpu = not sender["device"].startswith("cuda") and not receiver["device"].startswith("cuda")
+    same_shm = bool(sender.get("shm")) and sender.get("shm") == receiver.get("shm")
     if want == "auto":
+        if cpu:
+            return "shm" if same_shm and not same_process and sender.get("tso") and receiver.get("tso") else "gloo"
         return "gloo" if not cuda or (same_gpu and same_process) else "ipc" if same_gpu else "nccl"
-    misfit = transport_misfit(want, cuda, same_gpu, same_process)
+    misfit = transport_misfit(want, cuda, same_gpu, same_process, cpu, same_shm)
     if misfit:
         raise TransportError(f"{misfit}: {both}")
     return want
