@@ -4,6 +4,7 @@ from __future__ import annotations
 NUM_SPECULATIVE_TOKENS = 3      # K: draft tokens per round unless asked otherwise (0: plain decoding)
 MAX_NUM_BATCHED_TOKENS = 2048   # prompt positions a gateway step prefills (gateway/chunking.py); 0: whole
 MAX_DRAFT_TOKENS = 16           # the most a request may ask for (services: --max-draft-tokens)
+MAX_MODEL_LEN = 4096            # positions a request may hold (target, draft, `tandem serve`; at most the model's)
 
 # How hidden rows travel between target and draft. auto is settled by both sides from their devices
 # (services/bridge/transport.py): NCCL between two GPUs, CUDA IPC on one GPU, gloo on the CPU;

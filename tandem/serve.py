@@ -16,7 +16,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from infra.defaults import HIDDEN_TRANSPORTS, MAX_NUM_BATCHED_TOKENS, NUM_SPECULATIVE_TOKENS, transport_misfit
+from infra.defaults import (HIDDEN_TRANSPORTS, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, NUM_SPECULATIVE_TOKENS,
+                            transport_misfit)
 from models.config import QUANTIZATIONS
 from tandem.supervise import Supervisor
 
@@ -65,6 +66,8 @@ def parse(argv):
     p.add_argument("--draft-port", type=int, default=50053, help="the draft service")
     p.add_argument("--bridge-port", type=int, default=29650, help="the hidden-row bridge's rendezvous")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks of 16 tokens, target and draft")
+    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help="positions a request may hold, target "
+                   "and draft (at most the model's max_position_embeddings)")
     p.add_argument("--tp", "--tensor-parallel-size", "--tp-size", type=int, default=1,
                    help="target tensor-parallel ranks (vLLM's and SGLang's names work too)")
     p.add_argument("--ep", type=int, default=1, help="target expert-parallel groups (divides --tp)")
@@ -145,7 +148,8 @@ def commands(a) -> list[tuple[str, list[str], str]]:
     transport = a.hidden_transport    # auto: target and draft settle it from both devices (services/bridge)
     model = ["--random-config", a.random_config, "--seed", str(a.seed)] if a.random_config else ["--model", a.model]
     common = model + ["--dtype", a.dtype, "--hidden-transport", transport, "--index-scoring", a.index_scoring,
-                      "--bridge-addr", f"127.0.0.1:{a.bridge_port}", "--num-blocks", str(a.num_blocks)]
+                      "--bridge-addr", f"127.0.0.1:{a.bridge_port}", "--num-blocks", str(a.num_blocks),
+                      "--max-model-len", str(a.max_model_len)]
     if a.otlp_endpoint:
         common += ["--otlp-endpoint", a.otlp_endpoint]
     tls = [x for flag, path in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key), ("--tls-ca", a.tls_ca))
