@@ -9,7 +9,7 @@ its first token, p50 / p99 per repeat; the table gives the median over repeats a
 
     tandem bench prefill --streams 4 --long-tokens 1500 --budgets 0,256 --repeats 3
     tandem bench prefill --device cuda --random-config v2-lite --streams 16 --long-tokens 8192 --budgets 0,2048
-With --ttft-tokens N, each cluster (idle, after the warm-up) also times the first token of a fresh N-token prompt
+With --ttft-tokens N, each cluster (idle, after the warm-up, before the repeats) also times the first token of a fresh N-token prompt
 (cold) and then of the same prompt with another last token, whose other full blocks the prefix cache holds (hit),
 --repeats pairs, medians in a second table.
 
@@ -120,15 +120,20 @@ def main(argv) -> int:
             stub = generate_pb2_grpc.GenerateServiceStub(ch)
             vocab = model_config(model or f"random:{extra[extra.index('--random-config') + 1]}:seed=0").vocab_size
             one_repeat(stub, vocab, a.streams, a.long_tokens // 4, a.k, seed=0)      # warm-up
-            runs = [one_repeat(stub, vocab, a.streams, a.long_tokens, a.k, seed=1 + i) for i in range(a.repeats)]
             pairs = [prefix_ttft(stub, vocab, a.ttft_tokens, a.k, seed=100 + i)
                      for i in range(a.repeats if a.ttft_tokens else 0)]
+            runs = [one_repeat(stub, vocab, a.streams, a.long_tokens, a.k, seed=1 + i) for i in range(a.repeats)]
             ch.close()
         finally:
             stop_cluster(proc)
         med = {key: statistics.median(r[key] for r in runs) for key in ("itl_p50_ms", "itl_p99_ms", "ttft_s")}
         med.update({key: statistics.median(r[key] for r in pairs) for key in ("cold_s", "hit_s") if pairs})
         rows.append({"budget": budget, **med, "runs": runs, "prefix_ttft": pairs})
+        write_results(a.out, "prefill", report(a, rows), rows)                 # after each cluster
+    return 0
+
+
+def report(a, rows: list[dict]) -> str:
     lines = [f"ITL of {a.streams} running streams (K = {a.k}) while a {a.long_tokens}-token prompt arrives "
              f"(median of {a.repeats} repeats, min-max in brackets)", "",
              "| --max-num-batched-tokens | ITL p50 ms | ITL p99 ms | long prompt TTFT s | gaps / repeat |",
@@ -145,5 +150,4 @@ def main(argv) -> int:
                   "| --max-num-batched-tokens | cold s | prefix hit s | hit / cold |", "|---|---|---|---|"]
         lines += [f"| {r['budget'] or '0 (whole)'} | {r['cold_s']:.3f} | {r['hit_s']:.3f} | "
                   f"{r['hit_s'] / r['cold_s']:.3f} |" for r in rows]
-    write_results(a.out, "prefill", "\n".join(lines) + "\n", rows)
-    return 0
+    return "\n".join(lines) + "\n"

@@ -134,7 +134,7 @@ def tables(model_id: str, rows: list[dict], attn: list[dict], peak: float) -> st
 
 def main(argv=None) -> int:
     from models.model import TargetModel
-    from models.presets import random_model_id
+    from models.presets import model_config, random_model_id
     from services.config import DTYPES
     from services.launch import build_engine
     from services.target.engine import TargetEngine
@@ -160,32 +160,40 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"--paths: unknown {bad}, expected of {list(PATHS)}")
     model_id = random_model_id(a.random_config, 0) if a.random_config else str(a.model or default_model())
+    positions = model_config(model_id).max_position_embeddings
+    if max(lengths) >= positions:
+        p.error(f"{model_id} holds {positions} positions; --lengths asks {max(lengths)} "
+                "(v2-lite-yarn: V2-Lite's shapes with its YaRN context)")
     engine = build_engine(TargetEngine, TargetModel, model_id, device, dtype, num_blocks=-(-max(lengths) // 16) + 8,
                           max_model_len=max(lengths) + 1, graphs=False, what="tandem bench prefill-speed")
-    cfg = engine.model.cfg
-    if max(lengths) >= engine.max_model_len:
-        p.error(f"{model_id} holds {engine.max_model_len} positions; --lengths asks {max(lengths)} "
-                "(v2-lite-yarn: V2-Lite's shapes with its YaRN context)")
     rows, attn = [], []
-    for path in paths:
-        why = usable(path, device)
-        for i, length in enumerate(lengths):
-            row = {"tokens": length, "path": path, "flops": forward_flops(cfg, length)}
-            row["floor_s"] = row["flops"] / (a.peak_tflops * 1e12)
-            try:
-                if why:
-                    raise RuntimeError(why)
-                with env(PATHS[path]):
-                    if i == 0:
-                        prefill_seconds(engine, length, 1, seed=99)                 # warm-up
-                    row["s"] = statistics.median(prefill_seconds(engine, length, iters[i], seed=i))
-                attn.append({"tokens": length, "path": path, "ms": attention_ms(cfg, device, dtype, length, path)})
-            except Exception as e:                  # one path failing (e.g. out of memory) leaves the others
-                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-                attn.append({"tokens": length, "path": path, "error": type(e).__name__})
-                engine.release([f"p{j}" for j in range(max(iters))])
-            print(row, flush=True)
-            rows.append(row)
-    write_results(a.out, "prefill-speed", tables(model_id, rows, attn, a.peak_tflops),
-                  {"rows": rows, "attention": attn})
+    for i, length in enumerate(lengths):                   # every path at a length before the next length
+        for path in paths:
+            rows.append(measure(engine, path, length, iters[i], warm=i == 0, peak=a.peak_tflops, attn=attn))
+            print(rows[-1], flush=True)
+        write_results(a.out, "prefill-speed", tables(model_id, rows, attn, a.peak_tflops),   # after each length
+                      {"rows": rows, "attention": attn})
     return 0
+
+
+def measure(engine, path: str, length: int, iters: int, warm: bool, peak: float, attn: list) -> dict:
+    """One (path, length) row of the prefill table; appends its attention-alone entry to `attn`."""
+    cfg, device, dtype = engine.model.cfg, str(engine.cache.device), engine.cache.ckv.dtype
+    row = {"tokens": length, "path": path, "flops": forward_flops(cfg, length)}
+    row["floor_s"] = row["flops"] / (peak * 1e12)
+    try:
+        why = usable(path, device)
+        if why:
+            raise RuntimeError(why)
+        with env(PATHS[path]):
+            if warm:
+                prefill_seconds(engine, length, 1, seed=99)                          # compiles, autotuning
+            row["s"] = statistics.median(prefill_seconds(engine, length, iters, seed=length))
+        attn.append({"tokens": length, "path": path, "ms": attention_ms(cfg, device, dtype, length, path)})
+    except Exception as e:                          # one path failing (e.g. out of memory) leaves the others
+        row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        attn.append({"tokens": length, "path": path, "error": type(e).__name__})
+        engine.release([f"p{j}" for j in range(iters)])
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return row
