@@ -105,7 +105,7 @@ def test_absorbed_prefill_matches_reference(dev, dtype, name, shape, launches):
     h, R, P, bs = shape
     cache, batch, q_nope, q_pe, _ = case(dev, dtype, h, R, P, bs, CASES[name])
     q_lat = torch.randn(q_nope.shape[0], h, R, generator=torch.Generator().manual_seed(1)).to(dtype).to(dev)
-    out = absorbed(batch, q_lat, q_pe, cache, 0.17, block_n=16 if dev == "cpu" else None)
+    out = absorbed(batch, q_lat, q_pe, cache, 0.17, block_n=16 if dev == "cpu" else 32)   # one compile, no tuning
     ref = latent_attention(q_lat, q_pe, batch, cache.ckv[0], cache.kpe[0], 0.17)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert rel(out, ref) <= TOL[dtype], rel(out, ref)
