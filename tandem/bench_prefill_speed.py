@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--lengths", default="1024,8192,32768", help="prompt tokens")
     p.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join(PATHS)}")
-    p.add_argument("--iters", default="5,3,2", help="timed prefills per length (the last repeats)")
+    p.add_argument("--iters", default="5,3,1", help="timed prefills per length (the last repeats)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak of the device (H200: 790)")
     p.add_argument("--out", default="results/prefill-speed")
     a = p.parse_args(argv)
