@@ -11,10 +11,18 @@ The model's kernels (paged MLA attention, fused MoE: tests/test_model_kernels.py
 they agree with their references to rounding, not bit for bit. TANDEM_ATTENTION=auto (default) |
 reference | triton | flashinfer picks the attention backend on its own: auto is FlashInfer where it
 imports and covers the shapes, else whatever TANDEM_KERNELS picks.
+
+Prefill steps (eager, some request bringing more than PREFILL_MIN_ROWS query rows) take their own path:
+TANDEM_PREFILL=auto (default) | off | absorbed | expanded. absorbed: the flash-style Triton kernel over the
+latent cache (kernels/triton_mla_prefill.py); expanded: keys and values up-projected per head, then causal
+attention (kernels/mla_expanded.py); off: the paged attention above, as decode and verify steps. auto is
+PREFILL_AUTO on CUDA wherever the attention backend is not the reference, off elsewhere. Decode, verify and
+CUDA-graph steps (a forced AttentionBatch.attention_backend) never take it.
 """
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 
 import torch
@@ -30,10 +38,12 @@ from kernels.speculative import argmax_rows, sampling_probs  # noqa: F401  (no T
 
 __all__ = ["sampling_probs", "rms_norm", "rotary", "route", "greedy_verify", "rejection_sample", "pad_rows",
            "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla", "paged_attention", "moe_path", "chain_verifier",
+           "prefill_form", "prefill_attention", "expanded_attention",
            "fp8_linear",
            "attention_backend", "use_triton", "use_triton_forced",
            "triton_available", "mode"]
 
+log = logging.getLogger("tandem.kernels")
 ENV = "TANDEM_KERNELS"
 MODES = ("auto", "reference", "triton")
 _triton_ok: bool | None = None
@@ -112,6 +122,52 @@ def paged_attention(q_lat, q_pe, batch, ckv, kpe, scale: float) -> torch.Tensor:
                 q_pe.shape[2], batch.block_size, scale, q_lat.dtype)
         return flashinfer_mla.run(batch.plans["flashinfer"], q_lat, q_pe, ckv, kpe)
     return _ref_mla.latent_attention(q_lat, q_pe, batch, ckv, kpe, scale)
+
+
+PREFILL_ENV = "TANDEM_PREFILL"
+PREFILL_MODES = ("auto", "off", "absorbed", "expanded")
+PREFILL_AUTO = "expanded"        # the faster form for long prompts (BENCHMARKS.md: tandem bench prefill-speed)
+PREFILL_MIN_ROWS = 64            # a step is a prefill step when some request brings more query rows than this
+_prefill_seen: set = set()
+
+
+def prefill_form(q_pe: torch.Tensor, ckv: torch.Tensor, batch) -> str | None:
+    """'absorbed' | 'expanded' for this step's dense attention, or None: paged_attention as for decode."""
+    m = os.environ.get(PREFILL_ENV, "auto").strip().lower() or "auto"
+    if m not in PREFILL_MODES:
+        raise ValueError(f"{PREFILL_ENV}={m!r}: expected one of {', '.join(PREFILL_MODES)}")
+    if m == "off" or batch.attention_backend is not None or max(batch.query_lens, default=0) <= PREFILL_MIN_ROWS:
+        return None
+    form = m
+    if m == "auto":
+        q_lat = q_pe.new_empty(0, q_pe.shape[1], ckv.shape[-1])             # the absorbed query's shape
+        form = PREFILL_AUTO if q_pe.is_cuda and attention_backend(q_lat, q_pe, ckv) != "reference" else None
+    elif m == "absorbed":
+        use_triton_forced(q_pe)
+    if form not in _prefill_seen:                                            # said once per process and form
+        _prefill_seen.add(form)
+        log.info("prefill steps: %s attention (%s=%s)", form or "paged", PREFILL_ENV, m)
+    return form
+
+
+def prefill_attention(q_lat, q_pe, batch, ckv, kpe, scale: float) -> torch.Tensor:
+    """The absorbed form of a prefill step (kernels/triton_mla_prefill.py): q_lat [N, h, R], q_pe [N, h, P]
+    -> [N, h, R], as paged_attention."""
+    tm = importlib.import_module("kernels.triton_mla_prefill")
+    block_m = tm.block_sizes(q_lat.shape[1])[0]
+    if ("prefill_tiles", block_m) not in batch.plans:      # once per step, shared by every layer
+        batch.plans[("prefill_tiles", block_m)] = tm.plan_tiles(batch.query_lens, batch.host_starts,
+                                                                block_m).to(q_lat.device)
+    longest = max((s + n for s, n in zip(batch.host_starts, batch.query_lens)), default=0)
+    return tm.mla_prefill_triton(q_lat, q_pe, ckv, kpe, batch.block_tables, batch.token_request, batch.positions,
+                                 batch.context_lens, batch.plans[("prefill_tiles", block_m)], scale, longest)
+
+
+def expanded_attention(q_nope, q_pe, batch, ckv, kpe, w_kv, scale: float) -> torch.Tensor:
+    """The expanded form of a prefill step (kernels/mla_expanded.py): q_nope [N, h, nope], q_pe [N, h, P],
+    w_kv [h, nope + v, R] -> [N, h, v]."""
+    return importlib.import_module("kernels.mla_expanded").expanded_attention(q_nope, q_pe, batch, ckv, kpe,
+                                                                             w_kv, scale)
 
 
 def _inference(*ts: torch.Tensor) -> bool:

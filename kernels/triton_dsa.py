@@ -101,8 +101,9 @@ def _gathered_tile(t, q, qp, m_i, l_i, acc, idx_ptr, ckv_ptr, kpe_ptr, bt_ptr, n
     # one online-softmax step over the keys listed in indices[n, t * BLOCK_N : (t + 1) * BLOCK_N]
     i = t * BLOCK_N + tl.arange(0, BLOCK_N)
     pos = tl.load(idx_ptr + n * s_in + i, mask=i < K, other=-1)                   # [BN] key positions
-    return paged_softmax_step(pos, pos >= 0, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, s_cb, s_cs, s_kb,
-                              s_ks, s_bt, block_size, scale_log2, r, p, rm, pm, PRECISION)
+    live = pos >= 0
+    return paged_softmax_step(pos, live, live[None, :], q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, s_cb,
+                              s_cs, s_kb, s_ks, s_bt, block_size, scale_log2, r, p, rm, pm, PRECISION)
 
 
 @triton.jit

@@ -31,15 +31,18 @@ def _key_tile(start, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, lo, hi, 
               block_size, scale_log2, r, p, rm, pm, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     # one online-softmax step over keys [start, start + BLOCK_N) ∩ [lo, hi) of request b
     j = start + tl.arange(0, BLOCK_N)
-    return paged_softmax_step(j, (j >= lo) & (j < hi), q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, s_cb,
+    jm = (j >= lo) & (j < hi)
+    return paged_softmax_step(j, jm, jm[None, :], q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, s_cb,
                               s_cs, s_kb, s_ks, s_bt, block_size, scale_log2, r, p, rm, pm, PRECISION)
 
 
 @triton.jit
-def paged_softmax_step(j, jm, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, s_cb, s_cs, s_kb, s_ks, s_bt,
+def paged_softmax_step(j, jm, sm, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b, s_cb, s_cs, s_kb, s_ks, s_bt,
                        block_size, scale_log2, r, p, rm, pm, PRECISION: tl.constexpr):
-    # keys at positions j [BN] of request b (live where jm) through its block table: one online-softmax step
-    # of the absorbed MLA (shared by the dense kernel here and the sparse one, kernels/triton_dsa.py)
+    # keys at positions j [BN] of request b (loaded where jm) through its block table: one online-softmax step
+    # of the absorbed MLA, scores kept where sm ([1, BN] or per query row [BH, BN]: causal prefill tiles);
+    # shared by the dense kernel here, the sparse one (kernels/triton_dsa.py) and the prefill one
+    # (kernels/triton_mla_prefill.py)
     page = tl.load(bt_ptr + b * s_bt + j // block_size, mask=jm, other=0).to(tl.int64)
     row = j % block_size
     c = tl.load(ckv_ptr + (page * s_cb + row * s_cs)[:, None] + r[None, :], mask=jm[:, None] & rm[None, :],
@@ -47,7 +50,7 @@ def paged_softmax_step(j, jm, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr, b,
     k = tl.load(kpe_ptr + (page * s_kb + row * s_ks)[:, None] + p[None, :], mask=jm[:, None] & pm[None, :],
                 other=0.0).to(q.dtype)                                            # [BN, BP]
     s = dot(q, tl.trans(c), PRECISION) + dot(qp, tl.trans(k), PRECISION)          # [BH, BN] fp32
-    s = tl.where(jm[None, :], s * scale_log2, float("-inf"))
+    s = tl.where(sm, s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                         # no live key yet
     alpha = tl.exp2(m_i - m_safe)

@@ -7,7 +7,9 @@ values are never expanded. With W_UK, W_UV the two halves of kv_b_proj (per head
 
 Backends (kernels.dispatch.paged_attention picks; TANDEM_ATTENTION, else TANDEM_KERNELS): kernels/mla.py
 (PyTorch, the reference: CPU), kernels/triton_mla.py (CUDA), kernels/flashinfer_mla.py (CUDA, where
-FlashInfer imports and R = 512, P = 64).
+FlashInfer imports and R = 512, P = 64). Eager prefill steps (long prompts, chunks) take their own form
+(kernels.dispatch.prefill_form, TANDEM_PREFILL): the flash-style absorbed kernel (kernels/triton_mla_prefill.py)
+or the expanded one, K and V up-projected per head for the step (kernels/mla_expanded.py).
 
 CUDA graphs: the Triton path reads no tensor value on the host, so a forward can be captured. Kept
 static across replays (same storage, values rewritten in place before each replay): input ids and
@@ -74,10 +76,16 @@ class MLAttention(nn.Module):
 
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]                          # [h, nope, R], [h, v, R]
-        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)                        # [N, h, R]
         sparse = self.indexer is not None and self.indexer.enabled
         picks = self.indexer(x, q_latent, batch, kv) if sparse else None            # [N, topk] | None
-        if picks is None:
+        form = dispatch.prefill_form(q_pe, ckv, batch) if picks is None else None  # long prompts' own path
+        if form == "expanded":                                                    # per-head K / V, then MHA
+            out = dispatch.expanded_attention(q_nope, q_pe, batch, ckv, kpe, w, self.scale)   # [N, h, v]
+            return self.o_proj(out.reshape(N, h * self.v_dim))
+        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)                        # [N, h, R]
+        if form == "absorbed":
+            out_lat = dispatch.prefill_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)   # [N, h, R]
+        elif picks is None:
             out_lat = dispatch.paged_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)   # [N, h, R]
         else:                                                                     # only the selected keys
             out_lat = dispatch.sparse_mla(q_lat, q_pe, ckv, kpe, batch.block_tables, batch.token_request,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from infra.defaults import HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS
+from infra.defaults import HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS, MAX_MODEL_LEN
 from models.config import QUANTIZATIONS
 from services.rendezvous import resolve
 from services.target.synthetic import parse_profile
@@ -55,7 +55,7 @@ class ServiceConfig:
     hidden_transport: str = "auto"   # auto | gloo | nccl | ipc | inline (auto: agreed with the peer, services/bridge)
     num_blocks: int = 2048
     block_size: int = 16
-    max_model_len: int = 0           # 0: the model's own (launch.context_limit caps it by model and cache)
+    max_model_len: int = MAX_MODEL_LEN   # 0: the model's own (launch.context_limit caps it by model and cache)
     threads: int = 1                 # torch CPU threads (one per process keeps a local cluster calm)
     bridge_timeout_s: float = 10.0   # draft: how long Propose waits for a bridge frame
     bridge_ipc_mib: int = 256        # target: CUDA IPC ring of 8 slots (a slot: the largest transfer; larger go inline)

@@ -2,7 +2,7 @@
 of every `tandem bench` (speed: tandem/bench_speed.py, bridge: bench_bridge.py, floor: bench_floor.py,
 dsa: bench_dsa.py, overlap: bench_overlap.py,
 profile: bench_profile.py, fp8: bench_fp8.py, steps: bench_steps.py, heldout: bench_heldout.py,
-nextline: bench_nextline.py, prefill: bench_prefill.py).
+nextline: bench_nextline.py, prefill: bench_prefill.py, prefill-speed: bench_prefill_speed.py).
 
 Starts `tandem serve` (or uses --gateway ADDR), sends held-out code prompts with greedy and
 temperature-1 decoding at K = 1..max, and reports vLLM's metrics: mean acceptance length
@@ -194,7 +194,7 @@ BENCHES = {"acceptance": "tandem.bench:acceptance", "speed": "tandem.bench_speed
            "overlap": "tandem.bench_overlap:main", "profile": "tandem.bench_profile:main",
            "fp8": "tandem.bench_fp8:main", "steps": "tandem.bench_steps:main",
            "heldout": "tandem.bench_heldout:main", "nextline": "tandem.bench_nextline:main",
-           "prefill": "tandem.bench_prefill:main"}
+           "prefill": "tandem.bench_prefill:main", "prefill-speed": "tandem.bench_prefill_speed:main"}
 
 
 def main(argv=None) -> int:
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
             module = importlib.import_module(target.split(":")[0])
             text = " ".join((module.__doc__ or "").split()).split(": ", 1)[-1]
             first = re.split(r"(?<=[.;])\s", text)[0].rstrip(".;")
-            lines.append(f"  {name:11s} {first}")
+            lines.append(f"  {name:13s} {first}")
         asked = bool(argv) and argv[0] in ("-h", "--help")
         print("\n".join(lines), file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2

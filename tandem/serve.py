@@ -16,7 +16,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from infra.defaults import HIDDEN_TRANSPORTS, MAX_NUM_BATCHED_TOKENS, NUM_SPECULATIVE_TOKENS, transport_misfit
+from infra.defaults import (HIDDEN_TRANSPORTS, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, NUM_SPECULATIVE_TOKENS,
+                            transport_misfit)
 from models.config import QUANTIZATIONS
 from tandem.supervise import Supervisor
 
@@ -65,8 +66,8 @@ def parse(argv):
     p.add_argument("--draft-port", type=int, default=50053, help="the draft service")
     p.add_argument("--bridge-port", type=int, default=29650, help="the hidden-row bridge's rendezvous")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks of 16 tokens, target and draft")
-    p.add_argument("--max-model-len", type=int, default=0, help="context a request may use, prompt + output (0: the "
-                   "model's max_position_embeddings; never more than the model's or the KV cache's)")
+    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help="context a request may use, prompt + "
+                   "output (0: the model's max_position_embeddings; never more than the model's or the KV cache's)")
     p.add_argument("--tp", "--tensor-parallel-size", "--tp-size", type=int, default=1,
                    help="target tensor-parallel ranks (vLLM's and SGLang's names work too)")
     p.add_argument("--ep", type=int, default=1, help="target expert-parallel groups (divides --tp)")

@@ -170,3 +170,26 @@ def test_gateway_takes_random_config_or_model_not_both():
     assert cfg.model_name == "random-tiny" and cfg.random_config == "tiny"
     with pytest.raises(SystemExit):
         parse(["--random-config", "tiny", "--model", "checkpoints/tandem-code-mini"])
+
+
+@pytest.mark.parametrize("preset", ["v2-lite", "tiny"])
+def test_prefill_flop_count_is_the_models_parameters(preset):
+    """tandem bench prefill-speed's floor: per token 2 FLOPs per weight a token multiplies (every attention, dense
+    MLP, router and shared-expert weight, top-k of the routed experts; counted here from the model's own
+    parameters on the meta device), plus the causal pairs' qk + v and one LM head row."""
+    from models.loader import build
+    from models.presets import preset_config
+    from tandem.bench_prefill_speed import forward_flops
+    cfg = preset_config(preset)
+    m = build(TargetModel, cfg, device="meta")
+    per_token = 0
+    for name, p in m.named_parameters():
+        if name.startswith("model.layers.") and "norm" not in name and not name.endswith("correction_bias"):
+            experts = ".mlp.experts." in name
+            per_token += p.numel() * (cfg.num_experts_per_tok / cfg.n_routed_experts if experts else 1)
+    pairs = lambda n, s: n * s + n * (n + 1) // 2                          # noqa: E731
+    attention = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    head = 2 * cfg.hidden_size * cfg.vocab_size
+    for n, start in ((1, 0), (100, 0), (37, 250)):
+        want = 2 * per_token * n + attention * pairs(n, start) + head
+        assert forward_flops(cfg, n, start) == pytest.approx(want, rel=1e-9), (n, start)
