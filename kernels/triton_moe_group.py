@@ -105,8 +105,9 @@ def group_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int, one
     if Nk == 0:
         return pair_ids, block_expert
     if one_program if one_program is not None else Nk <= ONE_PROGRAM_PAIRS:
-        _group_kernel[(1,)](ids, pair_ids, block_expert, Nk, first, E, max_blocks, NB=nb,
-                            P=triton.next_power_of_2(Nk), BLOCK_M=block_m, FILL=FILL, num_warps=4)
+        p = 64 if Nk <= 64 else 256 if Nk <= 256 else triton.next_power_of_2(Nk)   # few compiled variants
+        _group_kernel[(1,)](ids, pair_ids, block_expert, Nk, first, E, max_blocks, NB=nb, P=p, BLOCK_M=block_m,
+                            FILL=FILL, num_warps=4)
         return pair_ids, block_expert
     counts = torch.zeros(2, nb, dtype=torch.int32, device=dev)                   # [counts | next free row]
     pair_ids.fill_(-1)
