@@ -54,8 +54,8 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, s_ptr, pair_ptr, blk_ptr, h_ptr, hs_ptr, s_xn, s_xsn, s_we, s_wn, s_se,
-                    s_sn, s_hm, s_hsm, D, I, E, TOPK, IB, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gate_up_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, s_ptr, pair_ptr, blk_ptr, h_ptr, hs_ptr, s_xn, s_xsn, s_we, s_wn,
+                    s_se, s_sn, s_hm, s_hsm, D, I, E, TOPK, IB, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, QUANT_H: tl.constexpr, PRECISION: tl.constexpr):
     e, rows, pair, live = block_rows(pair_ptr, blk_ptr, BLOCK_M)
     if e >= E:
@@ -132,8 +132,8 @@ def fused_moe_fp8_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, 
     if N == 0:
         return torch.zeros(0, D, dtype=x.dtype, device=x.device)
     block_m = block_m or moe_tiles.block_m(N, N * k, E)
-    (bn, _, warps, stages, _), (bn2, _, warps2, stages2, split) = tiles or moe_tiles.moe_tiles("fp8", N, N * k, D, I)
-    assert bn2 <= BLOCK_K or bn2 % BLOCK_K == 0, bn2
+    tiles = tiles or moe_tiles.moe_tiles("fp8", N, N * k, D, I)
+    (bn, _, warps, stages, _), (bn2, _, warps2, stages2, split) = tiles
     xq, xs = quant_act(x)
     pair_ids, block_expert = group_pairs(ids, first, E, block_m)
     blocks = block_expert.shape[0]

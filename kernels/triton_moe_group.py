@@ -35,7 +35,7 @@ def _expert_of(ids_ptr, i, Nk, first, E):
 def _fill(ptr, n, value, FILL: tl.constexpr):
     for i0 in range(0, n, FILL):
         i = i0 + tl.arange(0, FILL)
-        tl.store(ptr + i, tl.full([FILL], value, tl.int32), mask=i < n)
+        tl.store(ptr + i, tl.zeros([FILL], tl.int32) + value, mask=i < n)
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def _group_kernel(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks,
     ex = tl.arange(0, NB)
     blocks = tl.where(ex < E, (cnt + BLOCK_M - 1) // BLOCK_M, 0)
     row0 = (tl.cumsum(blocks, 0) - blocks) * BLOCK_M                              # [NB] first row of each expert
-    pos0 = tl.cumsum(cnt, 0) - cnt                                               # [NB] sorted position of its first pair
+    pos0 = tl.cumsum(cnt, 0) - cnt                                               # [NB] its first pair, sorted
     key = tl.sort(e * P + i)                                                    # [P] by expert, then pair
     es, ps = key // P, key % P
     live = es < E
@@ -133,19 +133,20 @@ def block_rows(pair_ptr, blk_ptr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _sum_pairs_kernel(part_ptr, ids_ptr, y_ptr, first, E, TOPK, D, s_split, s_pair, s_yn,
-                      SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    # y[t, cols] = sum over slots s (local experts only), then over K splits, of part[split, t*k + s, cols]
+                      KP: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    # y[t, cols] = sum over K splits of (sum over t's slots s, local experts only, of part[split, t*k + s, cols]):
+    # all slots loaded at once (two dependent loads, not 2k), each sum in a fixed order (no atomics)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    cm = cols < D
+    s = tl.arange(0, KP)
+    p = t * TOPK + s                                                            # [KP] pairs of token t
+    e = tl.load(ids_ptr + p, mask=s < TOPK, other=-1).to(tl.int32) - first
+    m = ((s < TOPK) & (e >= 0) & (e < E))[:, None] & (cols < D)[None, :]       # [KP, BLOCK]
     acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(TOPK):
-        p = t * TOPK + s
-        e = tl.load(ids_ptr + p + tl.zeros([BLOCK], tl.int64)).to(tl.int32) - first   # [BLOCK], all alike
-        m = cm & (e >= 0) & (e < E)
-        for sp in tl.static_range(SPLIT):
-            acc += tl.load(part_ptr + sp * s_split + p * s_pair + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * s_yn + cols, acc.to(y_ptr.dtype.element_ty), mask=cm)
+    for sp in tl.static_range(SPLIT):
+        v = tl.load(part_ptr + sp * s_split + p[:, None] * s_pair + cols[None, :], mask=m, other=0.0)
+        acc += tl.sum(v.to(tl.float32), 0)
+    tl.store(y_ptr + t * s_yn + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < D)
 
 
 def sum_pairs(part: torch.Tensor, ids: torch.Tensor, first: int, num_local: int, dtype: torch.dtype) -> torch.Tensor:
@@ -154,7 +155,8 @@ def sum_pairs(part: torch.Tensor, ids: torch.Tensor, first: int, num_local: int,
     N, k = ids.shape
     y = torch.empty(N, D, dtype=dtype, device=part.device)
     if N:
-        block = min(1024, triton.next_power_of_2(D))
+        kp = triton.next_power_of_2(k)
+        block = min(triton.next_power_of_2(D), 4096 // kp)                         # a [kp, block] tile per split
         _sum_pairs_kernel[(N, triton.cdiv(D, block))](part, ids, y, first, num_local, k, D, part.stride(0),
-                                                      part.stride(1), y.stride(0), SPLIT=split, BLOCK=block)
+                                                      part.stride(1), y.stride(0), KP=kp, SPLIT=split, BLOCK=block)
     return y

@@ -428,7 +428,7 @@ KERNELS = [(tm._mla_kernel, dict.fromkeys(["ql_ptr", "qp_ptr", "ckv_ptr", "kpe_p
             {**MOE, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": "tf32"}),
            (tg._count_kernel, {}, dict(cnt_ptr="*i32"), dict(NB=512, BLOCK=32)),
            (tg._group_kernel, {}, I32, dict(NB=512, P=256, BLOCK_M=16, FILL=1024)),
-           (tg._sum_pairs_kernel, dict(part_ptr="*fp32", y_ptr="*bf16"), {}, dict(SPLIT=2, BLOCK=1024)),
+           (tg._sum_pairs_kernel, dict(part_ptr="*fp32", y_ptr="*bf16"), {}, dict(KP=8, SPLIT=2, BLOCK=512)),
            (tr._route_kernel, dict(logit_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", id_ptr="*i64"), {},
             dict(E=256, SIGMOID=True, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4, TOP_K=8, NOAUX=True, NORM=True,
                  BLOCK_K=8)),
