@@ -3,7 +3,8 @@ host sync), with DeepSeek's fp8 scheme in both grouped GEMMs (kernels/fp8.py).
 
 Experts of this rank: w13 [E, 2I, D] fp8 (gate rows, then up rows) with s13 [E, 2 IB, DB] fp32 (gate scale
 blocks, then up's; IB = ceil(I/128), DB = ceil(D/128)), w2 [E, D, I] fp8 with s2 [E, DB, IB].
-  1. `quant_act`: x quantized once per row per 128 columns (one small kernel), not per program per K tile.
+  1. `group_and_quant`: the pairs grouped (kernels/triton_moe_group.py) and x quantized once per row per 128 columns
+     (not per program per K tile), one launch at decode sizes.
   2. `_gate_up_kernel`, grid (cdiv(I, BLOCK_N), blocks): g, u = x_q W^T promoted per 128-block with both scales,
      h = silu(g) * u rounded to x's dtype; a BLOCK_N of 128 quantizes h in the epilogue, a smaller one stores h
      and `quant_act` quantizes it.
@@ -22,15 +23,14 @@ from kernels.fp8 import FP8
 from kernels.triton_dot import dot, dot_precision
 from kernels.triton_fp8 import BLOCK_K, quant_rows
 from kernels.triton_moe import part_buffer, split_k
-from kernels.triton_moe_group import block_rows, group_pairs, sum_pairs
+from kernels.triton_moe_group import block_rows, group_body, group_launch, sum_pairs
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  EXACT: tl.constexpr):
-    # rows [BLOCK_R] x one 128-column group: q = x / s in fp8, s = amax / 448 (kernels/fp8.quantize_act)
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    kb = tl.program_id(1)
+def _quant_tile(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm, rb, kb, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                EXACT: tl.constexpr):
+    # rows block rb x 128-column group kb: q = x / s in fp8, s = amax / 448 (kernels/fp8.quantize_act)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     rm = rows < M
     m = rm[:, None] & (k < K)[None, :]
@@ -40,17 +40,58 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm, BLOCK_R: tl.const
     tl.store(s_ptr + rows.to(tl.int64) * s_sm + kb, s, mask=rm)
 
 
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EXACT: tl.constexpr):
+    _quant_tile(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm, tl.program_id(0), tl.program_id(1), BLOCK_R, BLOCK_K,
+                EXACT)
+
+
+@triton.jit
+def _prologue_kernel(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks, x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm,
+                     s_sm, NB: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+    # one launch at decode sizes: program 0 groups the pairs, programs 1.. quantize x (a tile each)
+    pid = tl.program_id(0)
+    if pid == 0:
+        group_body(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks, NB, P, BLOCK_M, FILL)
+    else:
+        kbs = tl.cdiv(K, BLOCK_K)
+        _quant_tile(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm, (pid - 1) // kbs, (pid - 1) % kbs, BLOCK_R,
+                    BLOCK_K, EXACT)
+
+
+QUANT_ROWS = 16                    # rows of x a quantizing program takes
+
+
+def quant_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    M, K = x.shape
+    return (torch.empty(M, K, dtype=FP8, device=x.device),
+            torch.empty(M, triton.cdiv(K, BLOCK_K), dtype=torch.float32, device=x.device))
+
+
 def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (fp8 [M, K], scales [M, ceil(K/128)] fp32), as kernels.fp8.quantize_act."""
     M, K = x.shape
-    q = torch.empty(M, K, dtype=FP8, device=x.device)
-    s = torch.empty(M, triton.cdiv(K, BLOCK_K), dtype=torch.float32, device=x.device)
+    q, s = quant_buffers(x)
     if M:
-        rows = 16
-        _quant_kernel[(triton.cdiv(M, rows), s.shape[1])](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
-                                                          BLOCK_R=rows, BLOCK_K=BLOCK_K,
-                                                          EXACT=not x.is_cuda)   # interpreted: round exactly
+        _quant_kernel[(triton.cdiv(M, QUANT_ROWS), s.shape[1])](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
+                                                                BLOCK_R=QUANT_ROWS, BLOCK_K=BLOCK_K,
+                                                                EXACT=not x.is_cuda)   # interpreted: round exactly
     return q, s
+
+
+def group_and_quant(x: torch.Tensor, ids: torch.Tensor, first: int, E: int, block_m: int):
+    """group_pairs(ids) and quant_act(x), in one launch when the grouping is one program -> (pair_ids, block_expert,
+    x_q, x_s)."""
+    pair_ids, block_expert, launch = group_launch(ids, first, E, block_m)
+    if launch is None:
+        return (pair_ids, block_expert) + quant_act(x)
+    (M, K), (q, s) = x.shape, quant_buffers(x)
+    _prologue_kernel[(1 + triton.cdiv(M, QUANT_ROWS) * s.shape[1],)](
+        *launch[0], x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), **launch[1], BLOCK_R=QUANT_ROWS,
+        BLOCK_K=BLOCK_K, EXACT=not x.is_cuda, num_warps=4)
+    return pair_ids, block_expert, q, s
 
 
 @triton.jit
@@ -134,8 +175,7 @@ def fused_moe_fp8_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, 
     block_m = block_m or moe_tiles.block_m(N, N * k, E)
     tiles = tiles or moe_tiles.moe_tiles("fp8", N, N * k, D, I)
     (bn, _, warps, stages, _), (bn2, _, warps2, stages2, split) = tiles
-    xq, xs = quant_act(x)
-    pair_ids, block_expert = group_pairs(ids, first, E, block_m)
+    pair_ids, block_expert, xq, xs = group_and_quant(x, ids, first, E, block_m)
     blocks = block_expert.shape[0]
     fused = bn == BLOCK_K                                                         # h quantized in the epilogue
     h = torch.empty(blocks * block_m, I, dtype=FP8 if fused else x.dtype, device=x.device)   # [M_pad, I]

@@ -4,7 +4,7 @@
 ids [N, k] global expert ids; this rank holds experts [first, first + E). The N*k pairs (pair p = t*k + s) are
 grouped by local expert into blocks of BLOCK_M rows: expert e owns whole blocks, its pairs fill their first rows,
 the rest are padding (-1). Pairs routed to another rank's experts get no row (they contribute zero here).
-  * `group_pairs` -> pair_ids [max_blocks * BLOCK_M] int32 (pair of each row, -1 for padding) and block_expert
+  * `group_pairs` (`group_launch`, `group_body` to run it inside another kernel) -> pair_ids [max_blocks * BLOCK_M] int32 (pair of each row, -1 for padding) and block_expert
     [max_blocks] int32 (local expert of each block; E past the last used block). max_blocks = min(N*k,
     cdiv(N*k, BLOCK_M) + E) bounds the used blocks (each holds >= 1 pair), so the grouped kernels' grids are fixed
     by shapes and their dead programs few. Up to ONE_PROGRAM_PAIRS pairs one program sorts the pairs (rows in pair
@@ -39,9 +39,10 @@ def _fill(ptr, n, value, FILL: tl.constexpr):
 
 
 @triton.jit
-def _group_kernel(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks,
-                  NB: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr):
-    # one program: sort pairs by (expert, pair); expert e's blocks follow those of experts < e
+def group_body(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks,
+               NB: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr):
+    """The one-program grouping (a kernel may run it in one of its programs): sort the pairs by (expert, pair);
+    expert e's blocks follow those of experts < e."""
     i = tl.arange(0, P)
     e = _expert_of(ids_ptr, i, Nk, first, E)                                    # [P]
     cnt = tl.histogram(e, NB)                                                   # [NB] pairs per expert (bin E: none)
@@ -60,6 +61,12 @@ def _group_kernel(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks,
     tl.debug_barrier()                                                          # the fills land before the rows
     tl.store(pair_ptr + row, ps, mask=live)
     tl.store(blk_ptr + row // BLOCK_M, es, mask=live & (rank % BLOCK_M == 0))   # each block's first row names it
+
+
+@triton.jit
+def _group_kernel(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks,
+                  NB: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr):
+    group_body(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks, NB, P, BLOCK_M, FILL)
 
 
 @triton.jit
@@ -92,23 +99,21 @@ def max_blocks_of(pairs: int, num_local: int, block_m: int) -> int:
     return min(pairs, triton.cdiv(pairs, block_m) + num_local)
 
 
-def group_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int, one_program: bool | None = None):
-    """ids [N, k] global expert ids -> pair_ids [max_blocks * block_m] int32 (pair t*k + s, -1 for padding),
-    block_expert [max_blocks] int32 (local expert of each block, num_local past the last used block).
-    one_program: force the one-program grouping (True) or the two-kernel one (False); default by pair count."""
+def group_launch(ids: torch.Tensor, first: int, num_local: int, block_m: int, one_program: bool | None = None):
+    """The grouping's buffers, pair_ids [max_blocks * block_m] int32 (pair t*k + s, -1 for padding) and block_expert
+    [max_blocks] int32 (local expert of each block, num_local past the last used block), and either the arguments
+    (args, constexprs) of `group_body` in one program, for the caller to launch (alone or inside its own kernel),
+    or None: the two-kernel grouping has run. one_program forces a grouping; default by pair count."""
     dev, Nk, E = ids.device, ids.numel(), num_local
     max_blocks = max_blocks_of(Nk, E, block_m)
     nb = triton.next_power_of_2(E + 1)
     ids = ids.reshape(-1)
     pair_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    if Nk == 0:
-        return pair_ids, block_expert
     if one_program if one_program is not None else Nk <= ONE_PROGRAM_PAIRS:
         p = 64 if Nk <= 64 else 256 if Nk <= 256 else triton.next_power_of_2(Nk)   # few compiled variants
-        _group_kernel[(1,)](ids, pair_ids, block_expert, Nk, first, E, max_blocks, NB=nb, P=p, BLOCK_M=block_m,
-                            FILL=FILL, num_warps=4)
-        return pair_ids, block_expert
+        launch = ((ids, pair_ids, block_expert, Nk, first, E, max_blocks), dict(NB=nb, P=p, BLOCK_M=block_m, FILL=FILL))
+        return pair_ids, block_expert, launch
     counts = torch.zeros(2, nb, dtype=torch.int32, device=dev)                   # [counts | next free row]
     pair_ids.fill_(-1)
     block = 128 if nb <= 256 else 32
@@ -116,6 +121,14 @@ def group_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int, one
     _place_kernel[(triton.cdiv(max(Nk, max_blocks), block),)](ids, counts, counts[1], pair_ids, block_expert, Nk,
                                                               first, E, max_blocks, NB=nb, BLOCK_M=block_m,
                                                               BLOCK=block)
+    return pair_ids, block_expert, None
+
+
+def group_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int, one_program: bool | None = None):
+    """ids [N, k] global expert ids -> (pair_ids, block_expert) as `group_launch` describes. At least one pair."""
+    pair_ids, block_expert, launch = group_launch(ids, first, num_local, block_m, one_program)
+    if launch:
+        _group_kernel[(1,)](*launch[0], **launch[1], num_warps=4)
     return pair_ids, block_expert
 
 
