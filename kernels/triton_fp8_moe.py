@@ -40,14 +40,14 @@ def _quant_tile(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm, rb, kb, BLOCK_R: tl
     tl.store(s_ptr + rows.to(tl.int64) * s_sm + kb, s, mask=rm)
 
 
-@triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+@triton.jit(do_not_specialize=["M"])
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   EXACT: tl.constexpr):
     _quant_tile(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm, tl.program_id(0), tl.program_id(1), BLOCK_R, BLOCK_K,
                 EXACT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nk", "max_blocks", "M"])   # one variant for all call sizes
 def _prologue_kernel(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks, x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm,
                      s_sm, NB: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
@@ -75,9 +75,9 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     q, s = quant_buffers(x)
     if M:
-        _quant_kernel[(triton.cdiv(M, QUANT_ROWS), s.shape[1])](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
-                                                                BLOCK_R=QUANT_ROWS, BLOCK_K=BLOCK_K,
-                                                                EXACT=not x.is_cuda)   # interpreted: round exactly
+        _quant_act_kernel[(triton.cdiv(M, QUANT_ROWS), s.shape[1])](
+            x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), BLOCK_R=QUANT_ROWS, BLOCK_K=BLOCK_K,
+            EXACT=not x.is_cuda)                                                    # interpreted: round exactly
     return q, s
 
 

@@ -4,11 +4,12 @@
 ids [N, k] global expert ids; this rank holds experts [first, first + E). The N*k pairs (pair p = t*k + s) are
 grouped by local expert into blocks of BLOCK_M rows: expert e owns whole blocks, its pairs fill their first rows,
 the rest are padding (-1). Pairs routed to another rank's experts get no row (they contribute zero here).
-  * `group_pairs` (`group_launch`, `group_body` to run it inside another kernel) -> pair_ids [max_blocks * BLOCK_M] int32 (pair of each row, -1 for padding) and block_expert
+  * `group_pairs` -> pair_ids [max_blocks * BLOCK_M] int32 (pair of each row, -1 for padding) and block_expert
     [max_blocks] int32 (local expert of each block; E past the last used block). max_blocks = min(N*k,
     cdiv(N*k, BLOCK_M) + E) bounds the used blocks (each holds >= 1 pair), so the grouped kernels' grids are fixed
     by shapes and their dead programs few. Up to ONE_PROGRAM_PAIRS pairs one program sorts the pairs (rows in pair
-    order within an expert: deterministic); beyond, two kernels (a histogram, an atomic placement).
+    order within an expert: deterministic; `group_body`, which another kernel may run in one of its programs);
+    beyond, two kernels (a histogram, an atomic placement).
   * `block_rows`: the grouped kernels' prologue (the expert of their block, its rows, pairs and liveness).
   * `sum_pairs` -> y [N, D]: each token's pair results (one partial per K split) summed in a fixed order
     (deterministic: no atomics); pairs of other ranks' experts are skipped.
@@ -63,7 +64,7 @@ def group_body(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks,
     tl.store(blk_ptr + row // BLOCK_M, es, mask=live & (rank % BLOCK_M == 0))   # each block's first row names it
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nk", "max_blocks"])   # one variant for all call sizes
 def _group_kernel(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks,
                   NB: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr):
     group_body(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks, NB, P, BLOCK_M, FILL)

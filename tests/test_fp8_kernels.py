@@ -210,7 +210,7 @@ KERNELS = [(tf._gemm_kernel, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32"
            (tf._gemm_kernel, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*fp32"),
             dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, TILES=7, PRECISION="tf32")),
            (tf._sum_splits_kernel, dict(ws_ptr="*fp32", out_ptr="*bf16"), dict(SPLIT_K=8, BLOCK=1024)),
-           (tfm._quant_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
+           (tfm._quant_act_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
             dict(BLOCK_R=16, BLOCK_K=128, EXACT=False)),
            (tfm._prologue_kernel, dict(ids_ptr="*i64", x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", **I32),
             dict(NB=512, P=64, BLOCK_M=16, FILL=1024, BLOCK_R=16, BLOCK_K=128, EXACT=False)),

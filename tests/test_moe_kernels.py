@@ -142,7 +142,7 @@ def test_moe_paths_match_reference(dev, kind, path, monkeypatch, launches):
         one = "_group_kernel" if kind == "bf16" else "_prologue_kernel"          # fp8: grouping + x's quantization
         assert launches[one] == (not two_kernels) and launches["_place_kernel"] == two_kernels
         gate_up = (tiles or moe_tiles.moe_tiles(kind, N, N * 2, 160, 136))[0]
-        assert launches["_quant_kernel"] == (0 if kind == "bf16" else two_kernels + (gate_up[0] != 128))   # x, h
+        assert launches["_quant_act_kernel"] == (0 if kind == "bf16" else two_kernels + (gate_up[0] != 128))   # x, h
         assert launches["_sum_pairs_kernel"] == 1
 
 
