@@ -202,15 +202,22 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import triton_fp8 as tf, triton_fp8_moe as tfm
 I32 = dict(pair_ptr="*i32", blk_ptr="*i32")
+MOE = dict(BLOCK_M=16, BLOCK_K=128, PRECISION="tf32")
+GATE_UP = dict(x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", hs_ptr="*fp32", **I32)
+DOWN = dict(hq_ptr="*fp8e4nv", hs_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", rw_ptr="*fp32", **I32)
 KERNELS = [(tf._gemm_kernel, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16"),
             dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, TILES=7, PRECISION="tf32")),
            (tf._gemm_kernel, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*fp32"),
             dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, TILES=7, PRECISION="tf32")),
            (tf._sum_splits_kernel, dict(ws_ptr="*fp32", out_ptr="*bf16"), dict(SPLIT_K=8, BLOCK=1024)),
-           (tfm._gate_up_kernel, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", h_ptr="*bf16", **I32),
-            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, K_TILES=56, PRECISION="tf32")),
-           (tfm._down_kernel, dict(h_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16",
-                                   **I32), dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, K_TILES=16, PRECISION="tf32"))]
+           (tfm._quant_act_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
+            dict(BLOCK_R=16, BLOCK_K=128, EXACT=False)),
+           (tfm._prologue_kernel, dict(ids_ptr="*i64", x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", **I32),
+            dict(NB=512, P=64, BLOCK_M=16, FILL=1024, BLOCK_R=16, BLOCK_K=128, EXACT=False)),
+           (tfm._gate_up_kernel, dict(h_ptr="*fp8e4nv", **GATE_UP), dict(BLOCK_N=128, QUANT_H=True, **MOE)),
+           (tfm._gate_up_kernel, dict(h_ptr="*bf16", **GATE_UP), dict(BLOCK_N=32, QUANT_H=False, **MOE)),
+           (tfm._down_kernel, dict(out_ptr="*bf16", **DOWN), dict(MOE, BLOCK_N=64)),
+           (tfm._down_kernel, dict(out_ptr="*fp32", **DOWN), dict(MOE, BLOCK_M=64, BLOCK_N=128))]
 for fn, ptrs, consts in KERNELS:
     sig = {a: "constexpr" if a in consts else ptrs[a] if a.endswith("_ptr") else
            "i64" if a.startswith("s_") else "i32" for a in fn.arg_names}
@@ -223,7 +230,7 @@ for fn, ptrs, consts in KERNELS:
 
 @pytest.mark.parametrize("arch", [90])                                      # H200: sm_90
 def test_fp8_kernels_compile_for_the_gpu_without_one(tmp_path, arch):
-    compile_for_gpu(COMPILE, arch, tmp_path, expected=5)
+    compile_for_gpu(COMPILE, arch, tmp_path, expected=9)
 
 
 def fill_fp8_(module, seed: int, std: float = 0.2):

@@ -1,0 +1,66 @@
+"""Tiles of the fused MoE kernels (kernels/triton_moe.py bf16, kernels/triton_fp8_moe.py fp8), from shapes alone:
+a captured batch size keeps its tiles, and a token's row does not depend on the other tokens of its call within
+a token class.
+
+Tiles: (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) of the gate/up kernel and of the down kernel. SPLIT_K splits the
+down kernel's K (I) over that many programs, summed in a fixed order (gate/up keeps 1: silu needs whole sums).
+fp8 tiles keep BLOCK_K = 128 (the scale block); a gate/up BLOCK_N of 128 quantizes h in its epilogue, a smaller
+one adds a small quantization kernel.
+
+Decode path, up to CLASSES[-1] tokens: 16-row blocks and the tiles of the token's class (1-8, 9-16, 17-32 tokens),
+measured per expert shape (D, I); the bits of a row depend only on the class (a verify of K + 1 <= 8 rows equals
+a decode of one). Batch path beyond: 16- or 64-row blocks by pair count and `batch_tiles`.
+"""
+from __future__ import annotations
+
+Tiles = tuple[int, int, int, int, int]
+
+CLASSES = (8, 16, 32)              # last token count of each decode class
+
+# kind -> (D, I) of the experts (None: any other shape) -> class -> (gate/up tiles, down tiles).
+# Written by .gpu/moe_sweep.sh from an H200 sweep (CUDA-graph replays, expert weights rotated past L2).
+DECODE: dict[str, dict[tuple[int, int] | None, dict[int, tuple[Tiles, Tiles]]]] = {
+    "bf16": {
+        None: {8: ((32, 128, 4, 4, 1), (32, 128, 4, 4, 1)),
+               16: ((32, 128, 4, 4, 1), (64, 128, 4, 4, 1)),
+               32: ((32, 128, 4, 3, 1), (64, 128, 4, 3, 1))},
+    },
+    "fp8": {
+        None: {8: ((64, 128, 4, 4, 1), (64, 128, 4, 4, 1)),
+               16: ((64, 128, 4, 4, 1), (64, 128, 4, 4, 1)),
+               32: ((128, 128, 4, 3, 1), (64, 128, 4, 3, 1))},
+    },
+}
+
+
+def token_class(tokens: int) -> int | None:
+    """The decode class of a call of `tokens` tokens (its last token count), None: the batch path."""
+    return next((c for c in CLASSES if tokens <= c), None)
+
+
+def block_m(tokens: int, pairs: int, num_local: int) -> int:
+    """Rows of a grouped block: 16 on the decode path; beyond, 16 while experts see few rows each, else 64."""
+    return 16 if token_class(tokens) is not None or pairs <= 64 * num_local else 64
+
+
+def decode_tiles(kind: str, tokens: int, D: int, I: int) -> tuple[Tiles, Tiles] | None:
+    cls = token_class(tokens)
+    if cls is None:
+        return None
+    table = DECODE[kind]
+    return (table.get((D, I)) or table[None])[cls]
+
+
+def batch_tiles(kind: str, pairs: int) -> tuple[Tiles, Tiles]:
+    """Batch path, by pair count. bf16: measured on an H200 at DeepSeek-V2-Lite's shapes (2026-12-01 sweep,
+    BENCHMARKS.md): few pairs want narrow column tiles, many wider ones."""
+    if kind == "fp8":
+        return (128, 128, 4, 3, 1), (64, 128, 4, 3, 1)
+    if pairs < 512:
+        return (32, 128, 4, 3, 1), (64, 128, 4, 3, 1)
+    return (64, 128, 4, 3, 1), (128, 128, 4, 3, 1)
+
+
+def moe_tiles(kind: str, tokens: int, pairs: int, D: int, I: int) -> tuple[Tiles, Tiles]:
+    """(gate/up tiles, down tiles) of a call of `tokens` tokens routed to `pairs` (token, expert) pairs."""
+    return decode_tiles(kind, tokens, D, I) or batch_tiles(kind, pairs)

@@ -1,0 +1,173 @@
+"""The fused MoE's decode rework: the pair grouping (kernels/triton_moe_group.py, one program or two kernels), the
+paths of the bf16 and fp8 kernels (split-K down, batch tiles, fp8's h quantized in the epilogue or by its own
+kernel) against their references, the token classes of kernels/moe_tiles.py, and a row's bits not depending on the
+other tokens of its call within a class (a verify of K + 1 rows equals decodes of one: speculation stays lossless).
+
+Backends as tests/test_model_kernels.py: `interp` runs the kernels on CPU under TRITON_INTERPRET=1, `cuda`
+compiles them (skipped without CUDA).
+"""
+import collections
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if not CUDA and not LATE:
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from kernels import fp8, moe_tiles, triton_moe_group  # noqa: E402
+from kernels.triton_fp8_moe import fused_moe_fp8_triton  # noqa: E402
+from kernels.triton_moe import fused_moe_triton  # noqa: E402
+from kernels.triton_moe_group import group_pairs  # noqa: E402
+
+NO_CUDA = "needs CUDA; this machine has none (the interp cases run the same kernels on CPU)"
+BACKENDS = ["interp", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason=NO_CUDA)])]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    counts = collections.Counter()
+    run = InterpretedFunction.run
+
+    def counting(self, *args, **kwargs):
+        counts[self.fn.__name__] += 1
+        return run(self, *args, **kwargs)
+    monkeypatch.setattr(InterpretedFunction, "run", counting)
+    return counts
+
+
+@pytest.fixture(params=BACKENDS)
+def dev(request):
+    if request.param == "interp":
+        if not INTERP:
+            pytest.skip("CUDA is here, so this process compiles the kernels (TRITON_INTERPRET=1 runs these)")
+        return "cpu"
+    if INTERP:
+        pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted in this process, none compiled")
+    return "cuda"
+
+
+def rel(ours, ref) -> float:
+    ours, ref = ours.float().cpu(), ref.float().cpu()
+    return ((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+
+
+@pytest.mark.parametrize("one_program", [True, False])
+def test_moe_grouping_layout(dev, one_program, launches):
+    """Every local pair in exactly one row of a block of its expert, experts' blocks in order, padding -1, blocks
+    past the last used one E; the one-program grouping keeps pair order within an expert."""
+    g = torch.Generator().manual_seed(3)
+    N, k, first, E, bm = 37, 3, 2, 10, 4
+    ids = torch.stack([torch.randperm(14, generator=g)[:k] for _ in range(N)])   # experts 0, 1, 12, 13: elsewhere
+    pairs, blocks = group_pairs(ids.to(dev), first, E, bm, one_program=one_program)
+    pairs, blocks, flat = pairs.cpu().tolist(), blocks.cpu().tolist(), (ids.flatten() - first).tolist()
+    local = [p for p, e in enumerate(flat) if 0 <= e < E]
+    assert sorted(p for p in pairs if p >= 0) == local
+    used = [b for b in blocks if b < E]
+    assert used == sorted(used) and blocks[len(used):] == [E] * (len(blocks) - len(used))
+    for b, e in enumerate(used):
+        rows = pairs[b * bm:(b + 1) * bm]
+        live = [p for p in rows if p >= 0]
+        assert live and all(flat[p] == e for p in live) and rows == live + [-1] * (bm - len(live))
+        if one_program:
+            assert live == sorted(live)
+    assert dev == "cuda" or launches["_group_kernel"] == int(one_program)
+
+
+def moe_case(dev, kind: str, N: int, D: int, I: int, E: int, k: int, seed: int = 0):
+    """Random experts (fp8-quantized for kind fp8), x [N, D], uniform routing -> (x, weights tuple, rw, ids)."""
+    g = torch.Generator().manual_seed(seed)
+    dt = torch.float32 if dev == "cpu" else torch.bfloat16
+    w13, w2 = torch.randn(E, 2 * I, D, generator=g) * 0.05, torch.randn(E, D, I, generator=g) * 0.05
+    x = torch.randn(N, D, generator=g).to(dt).to(dev)
+    ids = torch.rand(N, E, generator=g).argsort(1)[:, :k].to(dev)
+    rw = torch.rand(N, k, generator=g).to(dev)
+    if kind == "bf16":
+        return x, (w13.to(dt).to(dev), w2.to(dt).to(dev)), rw, ids
+    q = [[fp8.quantize_weight(w[e]) for e in range(E)] for w in (w13[:, :I], w13[:, I:], w2)]
+    w = (torch.stack([torch.cat([a[0], b[0]]) for a, b in zip(q[0], q[1])]),
+         torch.stack([torch.cat([a[1], b[1]]) for a, b in zip(q[0], q[1])]),
+         torch.stack([d[0] for d in q[2]]), torch.stack([d[1] for d in q[2]]))
+    return x, tuple(t.to(dev) for t in w), rw, ids
+
+
+def run(kind, x, w, rw, ids, first=0, tiles=None):
+    fn = fused_moe_triton if kind == "bf16" else fused_moe_fp8_triton
+    return fn(x, *w, rw, ids, first, tiles=tiles)
+
+
+def reference(kind, x, w, rw, ids, first=0):
+    if kind == "fp8":
+        return fp8.fused_moe_fp8(x.cpu(), *(t.cpu() for t in w), rw.cpu(), ids.cpu(), first)
+    w13, w2 = (t.cpu().float() for t in w)
+    I, y = w2.shape[-1], torch.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for s, e in enumerate(ids[t].tolist()):
+            gu = w13[e] @ x[t].cpu().float()
+            y[t] += rw[t, s].item() * (w2[e] @ (torch.nn.functional.silu(gu[:I]) * gu[I:]))
+    return y
+
+
+PATHS = {  # tiles forced (None: chosen), tokens, grouping in two kernels
+    "split_k": (((32, 32, 4, 2, 1), (32, 32, 4, 2, 3)), 6, False),
+    "decode_tiles": (None, 5, False),
+    "batch_tiles": (None, 40, False),
+    "two_kernel_grouping": (None, 7, True),
+}
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("path", list(PATHS) + ["h_quant_fused", "h_quant_kernel"])
+def test_moe_paths_match_reference(dev, kind, path, monkeypatch, launches):
+    if path.startswith("h_quant") and kind == "bf16":
+        pytest.skip("fp8 only: where h is quantized")
+    tiles, N, two_kernels = PATHS.get(path, (None, 4, False))
+    if path.startswith("h_quant"):
+        tiles = ((128 if path == "h_quant_fused" else 32, 128, 4, 2, 1), (64, 128, 4, 2, 1))
+    if kind == "fp8" and tiles and tiles[1][1] != 128:
+        tiles = tuple((t[0], 128) + t[2:] for t in tiles)
+    if two_kernels:
+        monkeypatch.setattr(triton_moe_group, "ONE_PROGRAM_PAIRS", 0)
+    x, w, rw, ids = moe_case(dev, kind, N, 160, 136, 6, 2)                 # I: two fp8 blocks, five 32-tiles
+    out = run(kind, x, w, rw, ids, tiles=tiles)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel(out, reference(kind, x, w, rw, ids)) <= (1e-5 if dev == "cpu" else 2e-2)
+    if dev == "cpu":
+        one = "_group_kernel" if kind == "bf16" else "_prologue_kernel"          # fp8: grouping + x's quantization
+        assert launches[one] == (not two_kernels) and launches["_place_kernel"] == two_kernels
+        gate_up = (tiles or moe_tiles.moe_tiles(kind, N, N * 2, 160, 136))[0]
+        assert launches["_quant_act_kernel"] == (0 if kind == "bf16" else two_kernels + (gate_up[0] != 128))   # x, h
+        assert launches["_sum_pairs_kernel"] == 1
+
+
+def test_moe_token_classes():
+    """Tiles, block rows and grouping are one function of the token class: 1..5 tokens (decode, verify of K + 1 <= 5)
+    share one class; gate/up never splits K; fp8 tiles keep the 128-wide scale block."""
+    assert [moe_tiles.token_class(n) for n in (1, 5, 8, 9, 16, 17, 32, 33)] == [8, 8, 8, 16, 16, 32, 32, None]
+    for kind, table in moe_tiles.DECODE.items():
+        for shape, classes in table.items():
+            D, I = shape or (2048, 1408)
+            assert sorted(classes) == list(moe_tiles.CLASSES)
+            assert len({moe_tiles.moe_tiles(kind, n, n * 6, D, I) for n in range(1, 6)}) == 1
+            assert len({moe_tiles.block_m(n, n * 8, 256) for n in range(1, 33)}) == 1
+            for gate_up, down in classes.values():
+                assert gate_up[4] == 1 and len(gate_up) == len(down) == 5
+                assert kind == "bf16" or gate_up[1] == down[1] == 128
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_moe_rows_do_not_depend_on_other_tokens(dev, kind):
+    """A row of a call of 2..5 tokens equals, bit for bit, that token's row in a call of its own (CUDA: V2-Lite's
+    expert shapes, 64 experts of 1408, top-6)."""
+    shape = (2048, 1408, 64, 6) if dev == "cuda" else (96, 72, 6, 2)
+    x, w, rw, ids = moe_case(dev, kind, 5, *shape, seed=7)
+    alone = [run(kind, x[t:t + 1].clone(), w, rw[t:t + 1].clone(), ids[t:t + 1].clone())[0] for t in range(5)]
+    for n in range(2, 6):
+        together = run(kind, x[:n], w, rw[:n], ids[:n])
+        assert all(torch.equal(together[t], alone[t]) for t in range(n)), n
