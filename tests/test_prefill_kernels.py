@@ -155,6 +155,7 @@ def test_prefill_form_choice(monkeypatch):
     ckv = cache.ckv[0]
     monkeypatch.delenv(dispatch.PREFILL_ENV, raising=False)
     monkeypatch.delenv(dispatch.ATTENTION_ENV, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")      # CPU tensors: the interpreter, also on a machine with a GPU
     assert dispatch.prefill_form(q_pe, ckv, batch) is None                   # auto: CUDA only
     monkeypatch.setenv(dispatch.PREFILL_ENV, "expanded")
     assert dispatch.prefill_form(q_pe, ckv, batch) == "expanded"
