@@ -34,11 +34,13 @@ LARGE = 1 << 30                 # the class above the last bound (prefill)
 SMS = 132                       # an H200's SMs: the default split's unit when the device is not asked
 BLOCK_K = 128                   # the scale block: K tiles and splits are counted in it
 
-# the tiles the sweep measures (each compiled once per output dtype); TABLE and DEFAULTS choose among them
+# the tiles the sweep measures (each compiled once per output dtype); TABLE and DEFAULTS choose among them.
+# 16 x 32 tiles: many programs without a K split for small weights (one launch when fused)
 TILES = (
     Tile(16, 128, 1, False, True, 4, 4), Tile(16, 128, 1, False, True, 4, 6), Tile(16, 64, 1, False, True, 4, 6),
     Tile(16, 128, 2, False, True, 4, 3), Tile(16, 64, 4, False, True, 4, 3), Tile(16, 128, 1, True, False, 4, 4),
-    Tile(16, 64, 2, True, False, 4, 4), Tile(16, 128, 1, True, True, 4, 4),
+    Tile(16, 64, 2, True, False, 4, 4), Tile(16, 128, 1, True, True, 4, 4), Tile(16, 32, 2, True, False, 4, 4),
+    Tile(16, 32, 1, False, False, 4, 6),
     Tile(32, 128, 1, False, True, 4, 4), Tile(32, 128, 2, False, True, 4, 3), Tile(32, 128, 1, True, False, 4, 4),
     Tile(64, 128, 1, False, True, 4, 4), Tile(64, 128, 2, False, True, 4, 3), Tile(64, 128, 1, False, False, 4, 4),
     Tile(128, 128, 1, False, True, 8, 3), Tile(128, 128, 1, False, False, 8, 3),
