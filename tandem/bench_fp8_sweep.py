@@ -1,19 +1,19 @@
 """`tandem bench fp8-sweep`: tunes the block-scaled fp8 GEMM (kernels/triton_fp8.py) for decode on this GPU (issue 15).
 
-For each weight shape of V2-Lite and DeepSeek-V3 (SHAPES, V2-Lite first) and each row count in ROWS: every tile of
+For each weight shape of V2-Lite and DeepSeek-V3 (SHAPES) and each row count in ROWS: every tile of
 kernels/triton_fp8_config.TILES that suits the row class (CLASS_BLOCK_M), at the K splits that aim at 0 / 1 / 2 / 4
 programs per SM (WAVES), against F.linear in bf16, torch._scaled_mm (its activation quantization included) and the
 fp8 byte floor (weight + scale + activation + output bytes / 4.23 TB/s). A class is searched at one row count
 (SEARCH: 1 row for the class 1..8, the bound for the others); its winner is then timed at the class's other row
 counts. GPU times: CUDA-graph replays (tandem/bench_fp8.device_time) cycling over weight copies that together
-exceed the L2 three times (every weight byte from HBM, as in decode). Every candidate is checked against the
-reference (kernels/fp8.py) before it is timed; each winner's rows are checked bit for bit against a call with more
-rows of the same class (decode vs verify).
+exceed the L2 three times, at most 64 (every weight byte from HBM, as in decode). Every candidate is checked
+against the reference (kernels/fp8.py) before it is timed; each winner's rows are checked bit for bit against a
+call with more rows of the same class (decode vs verify). The tiles are compiled first by parallel processes.
 
 Writes OUT/fp8_sweep.md (tables), OUT/fp8_sweep.json (every time) and OUT/fp8_config.py: kernels/triton_fp8_config.py
 with the measured TABLE (per-shape winners) and DEFAULTS (per class, the tile and waves closest to the per-shape
-best over all shapes, geometric mean) in place. --small: two tiny shapes on CPU under TRITON_INTERPRET=1 (tests).
-Report: tandem/bench_fp8_sweep_report.py.
+best over all shapes, geometric mean) in place (tandem/bench_fp8_sweep_report.py). No shape is started after
+--budget-s. --small: two tiny shapes on CPU under TRITON_INTERPRET=1 (the test).
 """
 from __future__ import annotations
 
@@ -28,12 +28,16 @@ from kernels import fp8, triton_fp8_config as fc
 from kernels.triton_fp8_config import CLASSES, Config, Tile
 from tandem.bench_fp8 import FLOOR_BW, cycle, device_time
 
+# (model, layer, N, K): the projections as models/ runs them (gate and up apart), V2-Lite first (issue 15's step
+# time), then the fused gate_up / other forms issue 15's plan names
 SHAPES = [("V2-Lite", "q", 3072, 2048), ("V2-Lite", "kv_a", 576, 2048), ("V2-Lite", "o", 2048, 2048),
-          ("V2-Lite", "dense gate_up", 21888, 2048), ("V2-Lite", "dense down", 2048, 10944),
-          ("V2-Lite", "shared gate_up", 2816, 2048), ("V2-Lite", "shared down", 2048, 1408),
+          ("V2-Lite", "dense gate|up", 10944, 2048), ("V2-Lite", "dense down", 2048, 10944),
+          ("V2-Lite", "shared gate|up", 2816, 2048), ("V2-Lite", "shared down", 2048, 2816),
           ("V3", "q_a", 1536, 7168), ("V3", "q_b", 24576, 1536), ("V3", "kv_a", 576, 7168),
-          ("V3", "o_proj", 7168, 16384), ("V3", "dense gate_up", 36864, 7168), ("V3", "dense down", 7168, 18432),
-          ("V3", "shared gate_up", 4096, 7168), ("V3", "shared down", 7168, 2048)]
+          ("V3", "o_proj", 7168, 16384), ("V3", "dense gate|up", 18432, 7168), ("V3", "dense down", 7168, 18432),
+          ("V3", "shared gate|up", 2048, 7168), ("V3", "shared down", 7168, 2048),
+          ("V2-Lite", "dense gate_up fused", 21888, 2048), ("V2-Lite", "expert down", 2048, 1408),
+          ("V3", "dense gate_up fused", 36864, 7168), ("V3", "shared gate_up fused", 4096, 7168)]
 SMALL_SHAPES = [("small", "a", 128, 400), ("small", "b", 64, 256)]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 SMALL_ROWS = (1, 3, 16)
@@ -59,7 +63,7 @@ def candidates(N: int, K: int, cls: int, small: bool, sms: int) -> dict[Config, 
 
 
 def copies(make, nbytes: int, device: str) -> list:
-    n = min(128, max(2, math.ceil(3 * L2_BYTES / nbytes))) if device.startswith("cuda") else 1
+    n = min(64, max(2, math.ceil(3 * L2_BYTES / nbytes))) if device.startswith("cuda") else 1
     return [make() for _ in range(n)]
 
 
