@@ -201,20 +201,35 @@ def main(argv=None) -> int:
     if cuda:
         from tandem.bench_floor import copy_bandwidth
         head["copy_tb_s"] = copy_bandwidth(a.device, 1 << 30) / 1e12
-        head["compiles"] = precompile(a.workers)
+        try:
+            head["compiles"] = precompile(a.workers)
+        except Exception as e:                                               # the sweep compiles as it goes
+            head["compile_error"] = repr(e)[:300]
         head["compile_s"] = time.time() - t0
-        print(f"compiled {len(head['compiles'])} variants in {head['compile_s']:.0f} s; failed: "
-              f"{[c[:2] for c in head['compiles'] if c[3]]}", flush=True)
+        print(f"compiled {len(head.get('compiles', []))} variants in {head['compile_s']:.0f} s; failed: "
+              f"{[c[:2] for c in head.get('compiles', []) if c[3]]} {head.get('compile_error', '')}", flush=True)
     from kernels.triton_fp8 import device_sms
-    sms, shapes, results = device_sms(torch.device(a.device)), [], []
+    head["sms"], results = device_sms(torch.device(a.device)), []
     for shape in (SMALL_SHAPES if a.small else SHAPES):
         if time.time() - t0 > a.budget_s:
             print(f"budget: {shape} and later shapes not measured", flush=True)
             break
-        results.append(measure_shape(shape, a, sms))
+        try:
+            results.append(measure_shape(shape, a, head["sms"]))
+        except Exception:                                                    # one shape's failure is reported
+            import traceback
+            traceback.print_exc()
+            head.setdefault("failed_shapes", []).append(list(shape))
+            continue
         print(report.shape_lines(results[-1]), flush=True)
+        head["seconds"] = time.time() - t0
+        report.write(a.out, head, results, final=False)                     # a killed run still reports
         if cuda:
             torch.cuda.empty_cache()
-    head["sms"], head["seconds"] = sms, time.time() - t0
+    head["seconds"] = time.time() - t0
     report.write(a.out, head, results)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -155,7 +155,8 @@ def sums(results: list[dict]) -> list[str]:
     return out
 
 
-def write(out: str, head: dict, results: list[dict]) -> None:
+def write(out: str, head: dict, results: list[dict], final: bool = True) -> None:
+    """The three files (again after each shape: a run killed later still leaves them); printed when final."""
     fitted = fit_defaults(results)
     module = config_module(head, results, fitted)
     agree = [(res["shape"][1], cls, win.get("rows_agree")) for res in results for cls, win in res["winners"].items()
@@ -164,7 +165,7 @@ def write(out: str, head: dict, results: list[dict]) -> None:
           f"{head['sms']} SMs; copy bandwidth {fmt(head.get('copy_tb_s'), '.2f')} TB/s (floor: 4.23 TB/s); "
           f"{len(head.get('compiles', []))} variants compiled in {fmt(head.get('compile_s'), '.0f')} s "
           f"(failed: {[tile_name(c[0]) + f' split {c[1]}: ' + c[3] for c in head.get('compiles', []) if c[3]]}); "
-          f"sweep {head['seconds']:.0f} s; {len(results)} shapes.", "",
+          f"sweep {head['seconds']:.0f} s; {len(results)} shapes (failed: {head.get('failed_shapes', [])}).", "",
           f"Rows bit-identical within their class (decode vs verify) for every Triton winner: "
           f"{all(a for *_, a in agree)} ({sum(1 for *_, a in agree if a)}/{len(agree)}; failing: "
           f"{[x[:2] for x in agree if not x[2]]}).", "", "## Winners", "", ROW_HEAD]
@@ -183,4 +184,5 @@ def write(out: str, head: dict, results: list[dict]) -> None:
     (path / "fp8_sweep.md").write_text(text)
     (path / "fp8_sweep.json").write_text(json.dumps({"head": head, "results": results}, indent=1))
     (path / "fp8_config.py").write_text(module)
-    print(text + f"wrote {path / 'fp8_sweep.md'}, fp8_sweep.json, fp8_config.py", flush=True)
+    if final:
+        print(text + f"wrote {path / 'fp8_sweep.md'}, fp8_sweep.json, fp8_config.py", flush=True)
