@@ -170,7 +170,8 @@ def _compile(tile: tuple, split: int) -> tuple[tuple, int, float, str]:
     try:
         from kernels.triton_fp8 import fp8_linear_triton
         q, s = fp8.quantize_weight(torch.randn(256, 512, device="cuda"))
-        fp8_linear_triton(torch.randn(1, 512, device="cuda", dtype=torch.bfloat16), q, s, cfg=Config(Tile(*tile), split))
+        x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+        fp8_linear_triton(x, q, s, cfg=Config(Tile(*tile), split))
         torch.cuda.synchronize()
         return tile, split, time.time() - t0, ""
     except Exception as e:

@@ -38,8 +38,8 @@ def row_line(res: dict, M: int) -> str:
             f"{fmt(fp8 and bf16 and bf16 / fp8, '.2f')} |")
 
 
-ROW_HEAD = ("| model | layer | N x K | rows | fp8 us | config (winner of the class) | bf16 us | _scaled_mm us | floor us | "
-            "fp8 / floor | bf16 / fp8 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+ROW_HEAD = ("| model | layer | N x K | rows | fp8 us | config (winner of the class) | bf16 us | _scaled_mm us | "
+            "floor us | fp8 / floor | bf16 / fp8 |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def shape_lines(res: dict) -> str:
@@ -102,7 +102,8 @@ def measured_block(head: dict, results: list[dict], fitted: dict) -> str:
             tile, waves, score = fitted[cls]
             note = f"  # {score:.2f}x each shape's best (geometric mean, {len(results)} shapes)"
         lines.append(f"    {'LARGE' if cls == LARGE else cls}: ({_tile_src(tile)}, {waves}),{note}")
-    lines += ["}", "# (N, K) -> class -> Config, or CUBLAS", "TABLE: dict[tuple[int, int], dict[int, Config | None]] = {"]
+    lines += ["}", "# (N, K) -> class -> Config, or CUBLAS",
+              "TABLE: dict[tuple[int, int], dict[int, Config | None]] = {"]
     for res in results:
         model, layer, N, K = res["shape"]
         lines.append(f"    ({N}, {K}): {{  # {model} {layer}")

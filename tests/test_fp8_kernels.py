@@ -298,7 +298,8 @@ KERNELS += [(tf._quant_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp3
             (tfm._gate_up_kernel, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", h_ptr="*bf16", **I32),
              dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, K_TILES=56, PRECISION="tf32"), None),
             (tfm._down_kernel, dict(h_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16",
-                                    **I32), dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, K_TILES=16, PRECISION="tf32"), None)]
+                                    **I32),
+             dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, K_TILES=16, PRECISION="tf32"), None)]
 print(len(KERNELS), "kernels")
 for fn, ptrs, consts, t in KERNELS:
     sig = {a: "constexpr" if a in consts else ptrs[a] if a.endswith("_ptr") else
