@@ -1,8 +1,9 @@
 """`tandem bench acceptance`: draft acceptance of the served cluster on held-out text; the dispatcher
 of every `tandem bench` (speed: tandem/bench_speed.py, bridge: bench_bridge.py, floor: bench_floor.py,
 dsa: bench_dsa.py, overlap: bench_overlap.py,
-profile: bench_profile.py, fp8: bench_fp8.py, steps: bench_steps.py, heldout: bench_heldout.py,
-nextline: bench_nextline.py, prefill: bench_prefill.py, prefill-speed: bench_prefill_speed.py).
+profile: bench_profile.py, fp8: bench_fp8.py, fp8-sweep: bench_fp8_sweep.py, steps: bench_steps.py,
+heldout: bench_heldout.py, nextline: bench_nextline.py, prefill: bench_prefill.py,
+prefill-speed: bench_prefill_speed.py).
 
 Starts `tandem serve` (or uses --gateway ADDR), sends held-out code prompts with greedy and
 temperature-1 decoding at K = 1..max, and reports vLLM's metrics: mean acceptance length
@@ -192,7 +193,8 @@ BENCHES = {"acceptance": "tandem.bench:acceptance", "speed": "tandem.bench_speed
            "inprocess": "tandem.bench_inprocess:main", "bridge": "tandem.bench_bridge:main",
            "floor": "tandem.bench_floor:main", "dsa": "tandem.bench_dsa:main",
            "overlap": "tandem.bench_overlap:main", "profile": "tandem.bench_profile:main",
-           "fp8": "tandem.bench_fp8:main", "steps": "tandem.bench_steps:main",
+           "fp8": "tandem.bench_fp8:main", "fp8-sweep": "tandem.bench_fp8_sweep:main",
+           "steps": "tandem.bench_steps:main",
            "heldout": "tandem.bench_heldout:main", "nextline": "tandem.bench_nextline:main",
            "prefill": "tandem.bench_prefill:main", "prefill-speed": "tandem.bench_prefill_speed:main"}
 

@@ -23,7 +23,9 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from kernels import dispatch, fp8  # noqa: E402
-from kernels.triton_fp8 import config, fp8_linear_triton  # noqa: E402
+from kernels import triton_fp8_config as fcfg  # noqa: E402
+from kernels.triton_fp8 import fp8_linear_triton  # noqa: E402
+from kernels.triton_fp8_config import Config, Tile  # noqa: E402
 from kernels.triton_fp8_moe import fused_moe_fp8_triton  # noqa: E402
 from triton_cubin import compile_for_gpu  # noqa: E402
 
@@ -105,7 +107,8 @@ def test_fp8_linear_reference_close_to_exact():
 # --- the kernels against the reference ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("M,N,K,split", [(1, 200, 300, None), (1, 200, 300, 3), (4, 130, 256, None),
-                                         (17, 64, 100, 1), (33, 256, 512, 2), (70, 96, 130, None)])
+                                         (17, 64, 100, 1), (33, 256, 512, 2), (70, 96, 130, None),
+                                         (150, 130, 260, None)])
 def test_fp8_gemm_matches_reference(dev, M, N, K, split, launches):
     _, q, s = quantized(N, K, seed=M + N)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(K))
@@ -115,15 +118,83 @@ def test_fp8_gemm_matches_reference(dev, M, N, K, split, launches):
     assert out.shape == (M, N) and out.dtype == dt
     assert rel(out, ref) <= TOL[dev], rel(out, ref)
     if dev == "cpu":
-        assert launches["_gemm_kernel"] == 1
-        assert launches["_sum_splits_kernel"] == int((split or config(N, K)[0]) > 1)
+        cfg = fcfg.lookup(N, K, M, cublas=False)
+        splits = split or cfg.split
+        assert launches["_gemm_kernel"] == 1 and launches["_quant_kernel"] == int(not cfg.tile.fused)
+        assert launches["_sum_splits_kernel"] == int(-(-K // 128) > 1 and splits > 1)
 
 
-def test_split_k_config_covers_the_gpu_from_shapes_alone():
-    assert config(2048, 7168) == (8, 7)                   # 32 column blocks x 8 splits of 7 K tiles
-    assert config(24576, 1536)[0] == 1                    # q_b: 384 column blocks already
-    split, tiles = config(576, 7168)
+def one_of_each_kind(tiles) -> list:
+    """The first tile of each (fused, swap, kstep) kind: the ones the interpreter runs (the GPU runs all)."""
+    kinds: dict[tuple, Tile] = {}
+    for t in tiles:
+        kinds.setdefault((t.fused, t.swap, t.kstep), t)
+    return list(kinds.values())
+
+
+VARIANTS = one_of_each_kind(fcfg.TILES)
+
+
+@pytest.mark.parametrize("tile", fcfg.TILES, ids=lambda t: "-".join(map(str, t)))
+def test_fp8_gemm_variants_match_reference(dev, tile, launches):
+    """Every tile the sweep may pick (pre-quantized or fused activations, swapped or not, 1 / 2 / 4 K tiles a
+    stage), split so that the last split is short, with a K tail inside a tile and an N tail: the reference."""
+    if dev == "cpu" and tile not in VARIANTS:
+        pytest.skip("the interpreter runs one tile of each kind")
+    M, N, K = 5, 192, 976                                 # 8 K tiles, the last 80 wide
+    _, q, s = quantized(N, K, seed=3)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(4)) * 3
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    ref = fp8.fp8_linear(x.to(dt).float(), q, s)
+    for split in (1, 3):                                  # 3 splits of 3, 3 and 2 tiles
+        out = fp8_linear_triton(x.to(dt).to(dev), q.to(dev), s.to(dev), cfg=Config(tile, split))
+        assert rel(out, ref) <= TOL[dev], (split, rel(out, ref))
+
+
+def test_row_classes_and_splits_come_from_the_shape_not_the_rows():
+    assert [fcfg.row_class(m) for m in (1, 5, 8, 9, 16, 17, 128, 129)] == [8, 8, 8, 16, 16, 32, 128, fcfg.LARGE]
+    for (N, K) in [(2048, 7168), (576, 7168), (24576, 1536), (2048, 10944), *fcfg.TABLE]:
+        for lo, hi in [(1, 8), (9, 16), (17, 32), (33, 64), (65, 128)]:
+            assert len({fcfg.lookup(N, K, m) for m in range(lo, hi + 1)}) == 1, (N, K, lo)
+    tile = Tile(16, 64, 1, False, True, 4, 4)
+    assert fcfg.split_for(2048, 7168, tile, 8, 2.0) == 8                  # 32 column blocks x 8 splits of 7 tiles
+    assert fcfg.split_for(24576, 1536, tile, 8, 2.0) == 1                 # 384 column blocks already
+    split = fcfg.split_for(576, 7168, tile, 8, 2.0)
+    tiles = -(-56 // split)
     assert split * tiles >= 56 and (split - 1) * tiles < 56 and split * 9 >= 200
+    assert fcfg.split_for(576, 7168, tile, 8, 0.0) == 1
+    assert fcfg.lookup(2048, 7168, 300) is fcfg.CUBLAS and fcfg.lookup(2048, 7168, 300, cublas=False) is not None
+    assert fcfg.lookup(2048, 10944, 300) is not None                       # no whole 128-blocks: Triton
+
+
+def test_config_table_is_well_formed():
+    """What the sweep writes stays inside what the kernel supports; cuBLAS only above 16 rows."""
+    for (N, K), per_class in fcfg.TABLE.items():
+        assert set(per_class) <= set(fcfg.CLASSES), (N, K)
+        for cls, cfg in per_class.items():
+            if cfg is fcfg.CUBLAS:
+                assert cls > 16 and fcfg.cublas_fits(N, K), (N, K, cls)
+                continue
+            assert 1 <= cfg.split <= -(-K // 128) and cfg.tile in fcfg.TILES, (N, K, cls, cfg)
+    assert {t for t, _ in fcfg.DEFAULTS.values()} <= set(fcfg.TILES)
+    for t in fcfg.TILES:
+        assert 128 % t.block_n == 0 and t.block_m >= 16 and t.kstep in (1, 2, 4) and t.warps in (4, 8), t
+
+
+def test_fp8_rows_do_not_depend_on_their_neighbours(dev):
+    """Within a row class a row's output bits are the same however many rows share the call (decode of 1 row
+    == verify of K + 1 rows), for every tile kind; here with the class's config and with forced tiles."""
+    N, K = 192, 528
+    _, q, s = quantized(N, K, seed=8)
+    q, s = q.to(dev), s.to(dev)
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    x = torch.randn(16, K, generator=torch.Generator().manual_seed(5)).to(dt).to(dev)
+    assert len(VARIANTS) == 7 and {t.kstep for t in VARIANTS} == {1, 2, 4}
+    for cfg in [None, Config(VARIANTS[1], 2), Config(VARIANTS[3], 2)]:
+        full = fp8_linear_triton(x[:8], q, s, cfg=cfg)
+        for m in (1, 5):
+            assert torch.equal(fp8_linear_triton(x[:m], q, s, cfg=cfg), full[:m]), (cfg, m)
+    assert torch.equal(fp8_linear_triton(x[:9], q, s)[:9], fp8_linear_triton(x, q, s)[:9])     # class 9..16
 
 
 def expert_weights(E, D, I, seed=0):
@@ -174,7 +245,7 @@ def test_dispatch_runs_the_reference_on_cpu_and_without_triton(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or INTERP, reason=NO_CUDA)
-@pytest.mark.parametrize("M", [1, 32, 128])
+@pytest.mark.parametrize("M", [1, 32, 128, 300])                          # 300: cuBLAS where N, K fit it
 @pytest.mark.parametrize("N,K", [(2048, 7168), (7168, 2048), (576, 7168), (24576, 1536)])
 def test_fp8_gemm_deepseek_shapes_on_cuda(M, N, K):
     _, q, s = quantized(N, K, seed=N)
@@ -185,12 +256,17 @@ def test_fp8_gemm_deepseek_shapes_on_cuda(M, N, K):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or INTERP, reason=NO_CUDA)
-def test_fp8_rows_do_not_depend_on_their_neighbours_on_cuda():
-    """Decode (1 row) and verify (4 rows) give a request's row the same bits: K = 3 equals K = 0 in fp8."""
-    _, q, s = quantized(2048, 7168, seed=9)
+@pytest.mark.parametrize("N,K", [(2048, 7168), (576, 7168), (1536, 7168), (3072, 2048), (2048, 10944)])
+def test_fp8_rows_do_not_depend_on_their_neighbours_on_cuda(N, K):
+    """Decode (1 row) and verify (K + 1 rows) give a request's row the same bits with the shape's own config
+    (TABLE or the rule): K = 3 equals K = 0 in fp8. Classes 1..8 and 9..16."""
+    _, q, s = quantized(N, K, seed=9)
     q, s = q.cuda(), s.cuda()
-    x = torch.randn(4, 7168, device="cuda").bfloat16()
-    assert torch.equal(fp8_linear_triton(x[:1], q, s)[0], fp8_linear_triton(x, q, s)[0])
+    x = torch.randn(16, K, device="cuda").bfloat16()
+    full = fp8_linear_triton(x[:8], q, s)
+    for m in range(1, 8):
+        assert torch.equal(fp8_linear_triton(x[:m], q, s), full[:m]), m
+    assert torch.equal(fp8_linear_triton(x[:9], q, s), fp8_linear_triton(x, q, s)[:9])
 
 
 # --- compiled for sm_90 without a GPU -------------------------------------------------------------------------
@@ -200,37 +276,56 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_fp8 as tf, triton_fp8_moe as tfm
+from kernels import triton_fp8 as tf, triton_fp8_config as fc, triton_fp8_moe as tfm
 I32 = dict(pair_ptr="*i32", blk_ptr="*i32")
 MOE = dict(BLOCK_M=16, BLOCK_K=128, PRECISION="tf32")
 GATE_UP = dict(x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", hs_ptr="*fp32", **I32)
 DOWN = dict(hq_ptr="*fp8e4nv", hs_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", rw_ptr="*fp32", **I32)
-KERNELS = [(tf._gemm_kernel, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16"),
-            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, TILES=7, PRECISION="tf32")),
-           (tf._gemm_kernel, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*fp32"),
-            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, TILES=7, PRECISION="tf32")),
-           (tf._sum_splits_kernel, dict(ws_ptr="*fp32", out_ptr="*bf16"), dict(SPLIT_K=8, BLOCK=1024)),
-           (tfm._quant_act_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
-            dict(BLOCK_R=16, BLOCK_K=128, EXACT=False)),
-           (tfm._prologue_kernel, dict(ids_ptr="*i64", x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", **I32),
-            dict(NB=512, P=64, BLOCK_M=16, FILL=1024, BLOCK_R=16, BLOCK_K=128, EXACT=False)),
-           (tfm._gate_up_kernel, dict(h_ptr="*fp8e4nv", **GATE_UP), dict(BLOCK_N=128, QUANT_H=True, **MOE)),
-           (tfm._gate_up_kernel, dict(h_ptr="*bf16", **GATE_UP), dict(BLOCK_N=32, QUANT_H=False, **MOE)),
-           (tfm._down_kernel, dict(out_ptr="*bf16", **DOWN), dict(MOE, BLOCK_N=64)),
-           (tfm._down_kernel, dict(out_ptr="*fp32", **DOWN), dict(MOE, BLOCK_M=64, BLOCK_N=128))]
-for fn, ptrs, consts in KERNELS:
+ALIGNED = ("N", "K", "s_xm", "s_wn", "s_om")   # what the JIT sees divisible by 16 at DeepSeek's shapes
+
+
+def gemm(t, out):
+    x = "*bf16" if t.fused else "*fp8e4nv"
+    return (tf._gemm_kernel, dict(x_ptr=x, xs_ptr=x if t.fused else "*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32",
+                                  out_ptr=out),
+            dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=128, KSTEP=t.kstep, FUSED=t.fused, SWAP=t.swap,
+                 PRECISION="tf32"), t)
+
+
+# the first class's and the prefill default (pre-quantized, swapped or not), and a fused one
+tiles = [fc.DEFAULTS[8][0], fc.DEFAULTS[fc.LARGE][0], fc.TILES[5]]
+KERNELS = [gemm(t, "*fp32" if i % 2 else "*bf16") for i, t in enumerate(tiles)]
+KERNELS += [(tf._quant_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
+             dict(GROUPS=tf.QUANT_GROUPS, BLOCK_K=128, EXACT=False), None),
+            (tf._sum_splits_kernel, dict(ws_ptr="*fp32", out_ptr="*bf16"), dict(BLOCK=1024), None),
+            (tfm._quant_act_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
+            dict(BLOCK_R=16, BLOCK_K=128, EXACT=False), None),
+            (tfm._prologue_kernel, dict(ids_ptr="*i64", x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", **I32),
+            dict(NB=512, P=64, BLOCK_M=16, FILL=1024, BLOCK_R=16, BLOCK_K=128, EXACT=False), None),
+            (tfm._gate_up_kernel, dict(h_ptr="*fp8e4nv", **GATE_UP), dict(BLOCK_N=128, QUANT_H=True, **MOE), None),
+            (tfm._gate_up_kernel, dict(h_ptr="*bf16", **GATE_UP), dict(BLOCK_N=32, QUANT_H=False, **MOE), None),
+            (tfm._down_kernel, dict(out_ptr="*bf16", **DOWN), dict(MOE, BLOCK_N=64), None),
+            (tfm._down_kernel, dict(out_ptr="*fp32", **DOWN), dict(MOE, BLOCK_M=64, BLOCK_N=128), None)]
+print(len(KERNELS), "kernels")
+for fn, ptrs, consts, t in KERNELS:
     sig = {a: "constexpr" if a in consts else ptrs[a] if a.endswith("_ptr") else
            "i64" if a.startswith("s_") else "i32" for a in fn.arg_names}
-    src = ASTSource(fn, sig, {(fn.arg_names.index(a),): v for a, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", int(sys.argv[1]), 32), options=dict(num_warps=4, num_stages=3))
+    aligned = [a for a in fn.arg_names if t and (a.endswith("_ptr") or a in ALIGNED)]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(fn, sig, {(fn.arg_names.index(a),): v for a, v in consts.items()}, attrs)
+    options = dict(num_warps=t.warps, num_stages=t.stages) if t else dict(num_warps=4, num_stages=3)
+    k = triton.compile(src, target=GPUTarget("cuda", int(sys.argv[1]), 32), options=options)
     assert k.asm["cubin"], fn.__name__
-    print("compiled", fn.__name__)
+    if t:   # the K loop is software-pipelined: the weight tiles of stages - 1 steps ahead sit in shared memory
+        assert k.metadata.shared >= (t.stages - 1) * t.kstep * t.block_n * 128, (t, k.metadata.shared)
+    print("compiled", fn.__name__, t or "")
 '''
 
 
 @pytest.mark.parametrize("arch", [90])                                      # H200: sm_90
 def test_fp8_kernels_compile_for_the_gpu_without_one(tmp_path, arch):
-    compile_for_gpu(COMPILE, arch, tmp_path, expected=9)
+    assert fcfg.TILES[5].fused and not fcfg.DEFAULTS[fcfg.LARGE][0].swap
+    compile_for_gpu(COMPILE, arch, tmp_path, expected=11)
 
 
 def fill_fp8_(module, seed: int, std: float = 0.2):
