@@ -38,6 +38,17 @@ def wait_serving(addr: str, proc: subprocess.Popen, name: str, timeout_s: float,
     raise SystemExit(f"{name} at {addr} was not SERVING after {timeout_s:.0f}s")
 
 
+def add_gateway_flags(p) -> None:
+    """The gateway's limits and how it calls the services."""
+    p.add_argument("--max-waiting", type=int, default=256, help="gateway: requests queued before new ones get "
+                   "429 / RESOURCE_EXHAUSTED (0: unbounded)")
+    p.add_argument("--max-prompt-tokens", type=int, default=0, help="gateway: longest prompt (0: the model's limit)")
+    p.add_argument("--max-output-tokens", type=int, default=0, help="gateway: largest max_tokens (0: the model's limit)")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="gateway: largest REST body / gRPC message")
+    p.add_argument("--service-calls", default="stream", choices=("stream", "unary"), help="gateway: each round's "
+                   "Verify and Propose on one persistent gRPC stream per service, or as unary calls")
+
+
 def parse(argv):
     from models.tiny import default_model
     p = argparse.ArgumentParser(prog="tandem serve", description=__doc__,
@@ -48,26 +59,25 @@ def parse(argv):
     p.add_argument("--speculation", default="fixed", choices=["fixed", "adaptive"], help="gateway: fixed K a "
                    "round, or each request's k chosen each round from live acceptance and measured costs")
     p.add_argument("--device", default="cpu", help="cpu | cuda (target on cuda:0, draft on cuda:1 if present)")
-    p.add_argument("--draft-device", default="", help="the draft's device, e.g. cuda:0 to share the target's GPU (rows "
-                   "then move by CUDA IPC); default: cuda:1 with --device cuda and two GPUs, else the target's")
+    p.add_argument("--draft-device", default="", help="the draft's device (cuda:0: the target's GPU, rows by CUDA "
+                   "IPC); default: cuda:1 with --device cuda and two GPUs, else the target's")
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--hidden-transport", default="auto", choices=HIDDEN_TRANSPORTS,
-                   help="auto: NCCL between two GPUs, CUDA IPC on one GPU, gloo on CPU")
+    p.add_argument("--hidden-transport", default="auto", choices=HIDDEN_TRANSPORTS, help="auto: NCCL between two "
+                   "GPUs, CUDA IPC on one GPU, shared memory on one host's CPU, else gloo")
     p.add_argument("--host", default="127.0.0.1", help="the gateway's listeners (the services bind loopback)")
     p.add_argument("--grpc-port", type=int, default=50051, help="the gateway's public gRPC port")
     p.add_argument("--http-port", "--port", type=int, default=8000, help="the gateway's REST API (OpenAI-compatible; "
                    "--port as vLLM and SGLang name it)")
-    p.add_argument("--served-model-name", default="", help="model name of the REST API (default: the "
-                   "checkpoint directory's name)")
+    p.add_argument("--served-model-name", default="", help="the REST API's model name (default: the checkpoint's)")
     p.add_argument("--api-key", default="", help="require it as a Bearer token on /v1/* (default: $TANDEM_API_KEY)")
     p.add_argument("--otlp-endpoint", default="", help="OTLP/gRPC trace export from all three services "
                    "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing)")
-    p.add_argument("--target-port", type=int, default=50052, help="the target service")
-    p.add_argument("--draft-port", type=int, default=50053, help="the draft service")
-    p.add_argument("--bridge-port", type=int, default=29650, help="the hidden-row bridge's rendezvous")
+    for flag, port, what in (("--target-port", 50052, "the target service"), ("--draft-port", 50053, "the draft "
+                             "service"), ("--bridge-port", 29650, "the hidden-row bridge's rendezvous")):
+        p.add_argument(flag, type=int, default=port, help=what)
     p.add_argument("--num-blocks", type=int, default=2048, help="KV cache blocks of 16 tokens, target and draft")
-    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help="context a request may use, prompt + "
-                   "output (0: the model's max_position_embeddings; never more than the model's or the KV cache's)")
+    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help="prompt + output a request may use (0: "
+                   "the model's max_position_embeddings); never more than the model's or the KV cache's")
     p.add_argument("--tp", "--tensor-parallel-size", "--tp-size", type=int, default=1,
                    help="target tensor-parallel ranks (vLLM's and SGLang's names work too)")
     p.add_argument("--ep", type=int, default=1, help="target expert-parallel groups (divides --tp)")
@@ -80,13 +90,7 @@ def parse(argv):
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds each process may take to serve")
     p.add_argument("--max-restarts", type=int, default=5, help="restarts of a process that exits, within "
                    "10 minutes, before the cluster stops (0: stop when any exits)")
-    p.add_argument("--max-waiting", type=int, default=256, help="gateway: requests queued before new ones get "
-                   "429 / RESOURCE_EXHAUSTED (0: unbounded)")
-    p.add_argument("--max-prompt-tokens", type=int, default=0, help="gateway: longest prompt (0: the model's limit)")
-    p.add_argument("--max-output-tokens", type=int, default=0, help="gateway: largest max_tokens (0: the model's limit)")
-    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="gateway: largest REST body / gRPC message")
-    p.add_argument("--service-calls", default="stream", choices=("stream", "unary"), help="gateway: each round's "
-                   "Verify and Propose on one persistent gRPC stream per service, or as unary calls")
+    add_gateway_flags(p)
     p.add_argument("--random-config", default="", help="serve a random-weight preset (models/presets.py: v2-lite, "
                    "v2-lite-yarn, v32-slice, tiny, tiny-v32) built on the device instead of --model; no tokenizer: send token ids")
     p.add_argument("--seed", type=int, default=0, help="seed of the --random-config weights")

@@ -7,20 +7,11 @@ TRITON_INTERPRET=1 (set here before triton is imported, on machines without CUDA
 (skipped without CUDA). They agree to rounding, not bit for bit (other summation orders, fp32 scores
 where the reference rounds them to bf16): fp32 within 1e-5, bf16 within 2 % of the output's scale.
 """
-import collections
-import os
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not CUDA and not LATE:
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from kernel_backends import BACKENDS, CUDA, INTERP, NO_CUDA, dev, launches, rel, triton  # noqa: E402,F401,F811
 
 from kernels import dsa  # noqa: E402
 from kernels.triton_dsa import index_scores_triton, sparse_mla_triton  # noqa: E402
@@ -28,40 +19,9 @@ from kernels.mla import latent_attention  # noqa: E402
 from models.kv_cache import PagedKVCache  # noqa: E402
 from triton_cubin import compile_for_gpu  # noqa: E402
 
-NO_CUDA = "needs CUDA; this machine has none (the interp cases run the same kernels on CPU)"
-BACKENDS = ["interp", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason=NO_CUDA)])]
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 INF = float("-inf")
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Interpreted kernel launches per kernel name (so a test passes only if the kernel really ran)."""
-    counts = collections.Counter()
-    run = InterpretedFunction.run
-
-    def counting(self, *args, **kwargs):
-        counts[self.fn.__name__] += 1
-        return run(self, *args, **kwargs)
-    monkeypatch.setattr(InterpretedFunction, "run", counting)
-    return counts
-
-
-@pytest.fixture(params=BACKENDS)
-def dev(request):
-    if request.param == "interp":
-        if not INTERP:
-            pytest.skip("CUDA is here, so this process compiles the kernels (TRITON_INTERPRET=1 runs these)")
-        return "cpu"
-    if INTERP:
-        pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted in this process, none compiled")
-    return "cuda"
-
-
-def rel(ours, ref) -> float:
-    ours, ref = ours.float().cpu(), ref.float().cpu()
-    return ((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
 
 
 # fp8 x fp8 dots: exact products in the interpreter; Hopper's fp8 tensor cores accumulate with fewer bits

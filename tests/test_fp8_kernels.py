@@ -7,20 +7,11 @@ TRITON_INTERPRET=1 (set here before triton is imported, on machines without CUDA
 reference to fp32 rounding (1e-5); on the GPU fp8 tensor cores accumulate 128-wide blocks with fewer bits and
 bf16 rounds the output: 2 % of the output's scale.
 """
-import collections
-import os
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not CUDA and not LATE:
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from kernel_backends import BACKENDS, CUDA, INTERP, NO_CUDA, dev, launches, rel, triton  # noqa: E402,F401,F811
 
 from kernels import dispatch, fp8  # noqa: E402
 from kernels import triton_fp8_config as fcfg  # noqa: E402
@@ -29,37 +20,7 @@ from kernels.triton_fp8_config import Config, Tile  # noqa: E402
 from kernels.triton_fp8_moe import fused_moe_fp8_triton  # noqa: E402
 from triton_cubin import compile_for_gpu  # noqa: E402
 
-NO_CUDA = "needs CUDA; this machine has none (the interp cases run the same kernels on CPU)"
-BACKENDS = ["interp", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason=NO_CUDA)])]
 TOL = {"cpu": 1e-5, "cuda": 2e-2}
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    counts = collections.Counter()
-    run = InterpretedFunction.run
-
-    def counting(self, *args, **kwargs):
-        counts[self.fn.__name__] += 1
-        return run(self, *args, **kwargs)
-    monkeypatch.setattr(InterpretedFunction, "run", counting)
-    return counts
-
-
-@pytest.fixture(params=BACKENDS)
-def dev(request):
-    if request.param == "interp":
-        if not INTERP:
-            pytest.skip("CUDA is here, so this process compiles the kernels (TRITON_INTERPRET=1 runs these)")
-        return "cpu"
-    if INTERP:
-        pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted in this process, none compiled")
-    return "cuda"
-
-
-def rel(ours, ref) -> float:
-    ours, ref = ours.float().cpu(), ref.float().cpu()
-    return ((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
 
 
 def quantized(*shape, seed=0, std=0.05):

@@ -7,21 +7,12 @@ TRITON_INTERPRET=1 (set here before triton is imported, on machines without CUDA
 (skipped without CUDA). They agree to rounding, not bit for bit (other summation orders, fp32 scores
 where the reference rounds them to bf16): fp32 within 1e-5, bf16 within 2 % of the output's scale.
 """
-import collections
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not CUDA and not LATE:
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from kernel_backends import BACKENDS, CUDA, INTERP, NO_CUDA, dev, launches, rel, triton  # noqa: E402,F401,F811
 
 from kernels import dispatch, flashinfer_mla  # noqa: E402
 from kernels.triton_mla import mla_attention_triton  # noqa: E402
@@ -36,34 +27,8 @@ from models.runner import forward_tokens, greedy_generate, new_cache  # noqa: E4
 from models.tiny import TINY_CONFIG, init_random_  # noqa: E402
 from triton_cubin import compile_for_gpu  # noqa: E402
 
-NO_CUDA = "needs CUDA; this machine has none (the interp cases run the same kernels on CPU)"
-BACKENDS = ["interp", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason=NO_CUDA)])]
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Interpreted kernel launches per kernel name (so a test passes only if the kernel really ran)."""
-    counts = collections.Counter()
-    run = InterpretedFunction.run
-
-    def counting(self, *args, **kwargs):
-        counts[self.fn.__name__] += 1
-        return run(self, *args, **kwargs)
-    monkeypatch.setattr(InterpretedFunction, "run", counting)
-    return counts
-
-
-@pytest.fixture(params=BACKENDS)
-def dev(request):
-    if request.param == "interp":
-        if not INTERP:
-            pytest.skip("CUDA is here, so this process compiles the kernels (TRITON_INTERPRET=1 runs these)")
-        return "cpu"
-    if INTERP:
-        pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted in this process, none compiled")
-    return "cuda"
 
 
 def tiny_model(seed: int):
@@ -73,11 +38,6 @@ def tiny_model(seed: int):
 
 def tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def rel(ours, ref) -> float:
-    ours, ref = ours.float().cpu(), ref.float().cpu()
-    return ((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
 
 
 # --- paged MLA attention ----------------------------------------------------------------------------------

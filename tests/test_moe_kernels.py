@@ -6,56 +6,16 @@ other tokens of its call within a class (a verify of K + 1 rows equals decodes o
 Backends as tests/test_model_kernels.py: `interp` runs the kernels on CPU under TRITON_INTERPRET=1, `cuda`
 compiles them (skipped without CUDA).
 """
-import collections
-import os
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not CUDA and not LATE:
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from kernel_backends import BACKENDS, CUDA, INTERP, NO_CUDA, dev, launches, rel, triton  # noqa: E402,F401,F811
 
 from kernels import fp8, moe_tiles, triton_moe_group  # noqa: E402
 from kernels.triton_fp8_moe import fused_moe_fp8_triton  # noqa: E402
 from kernels.triton_moe import fused_moe_triton  # noqa: E402
 from kernels.triton_moe_group import group_pairs  # noqa: E402
-
-NO_CUDA = "needs CUDA; this machine has none (the interp cases run the same kernels on CPU)"
-BACKENDS = ["interp", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason=NO_CUDA)])]
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    counts = collections.Counter()
-    run = InterpretedFunction.run
-
-    def counting(self, *args, **kwargs):
-        counts[self.fn.__name__] += 1
-        return run(self, *args, **kwargs)
-    monkeypatch.setattr(InterpretedFunction, "run", counting)
-    return counts
-
-
-@pytest.fixture(params=BACKENDS)
-def dev(request):
-    if request.param == "interp":
-        if not INTERP:
-            pytest.skip("CUDA is here, so this process compiles the kernels (TRITON_INTERPRET=1 runs these)")
-        return "cpu"
-    if INTERP:
-        pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted in this process, none compiled")
-    return "cuda"
-
-
-def rel(ours, ref) -> float:
-    ours, ref = ours.float().cpu(), ref.float().cpu()
-    return ((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
 
 
 @pytest.mark.parametrize("one_program", [True, False])

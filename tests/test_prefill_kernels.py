@@ -7,20 +7,11 @@ states and greedy tokens on each form; the kernel compiled for sm_90 without a G
 `interp` runs the kernel on CPU tensors under TRITON_INTERPRET=1, `cuda` compiles it (skipped without CUDA),
 as tests/test_model_kernels.py. fp32 within 1e-5 of the reference, bf16 within 2 %.
 """
-import collections
-import os
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not CUDA and not LATE:
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from kernel_backends import BACKENDS, CUDA, INTERP, NO_CUDA, dev, launches, rel, triton  # noqa: E402,F401,F811
 
 from kernels import dispatch  # noqa: E402
 from kernels.mla import latent_attention  # noqa: E402
@@ -34,8 +25,6 @@ from models.runner import forward_tokens, greedy_generate, new_cache  # noqa: E4
 from models.tiny import TINY_CONFIG, init_random_  # noqa: E402
 from triton_cubin import compile_for_gpu  # noqa: E402
 
-NO_CUDA = "needs CUDA; this machine has none (the interp cases run the same kernel on CPU)"
-BACKENDS = ["interp", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason=NO_CUDA)])]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # steps of {request: new tokens}; the last is the one checked
 CASES = {
@@ -44,34 +33,6 @@ CASES = {
     "edges": [{"a": 16}, {"a": 16, "b": 32}],                            # tiles end on block / tile edges
     "mixed": [{"old": 23, "gone": 5}, {"dec": 9, "old": 1}, {"dec": 1, "old": 19, "new": 13}],
 }
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    counts = collections.Counter()
-    run = InterpretedFunction.run
-
-    def counting(self, *args, **kwargs):
-        counts[self.fn.__name__] += 1
-        return run(self, *args, **kwargs)
-    monkeypatch.setattr(InterpretedFunction, "run", counting)
-    return counts
-
-
-@pytest.fixture(params=BACKENDS)
-def dev(request):
-    if request.param == "interp":
-        if not INTERP:
-            pytest.skip("CUDA is here, so this process compiles the kernels (TRITON_INTERPRET=1 runs these)")
-        return "cpu"
-    if INTERP:
-        pytest.skip("TRITON_INTERPRET=1: the kernels are interpreted in this process, none compiled")
-    return "cuda"
-
-
-def rel(ours, ref) -> float:
-    ours, ref = ours.float().cpu(), ref.float().cpu()
-    return ((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
 
 
 def case(dev, dtype, h, R, P, block_size, steps, nope=16, v=8, seed=0, blocks=96):
