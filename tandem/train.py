@@ -39,7 +39,7 @@ ARCH = dict(  # edition 2 (issue 18): 20 layers of width 256, 23.5 M parameters,
 # --extra (`tandem corpus`'s extra/): without it, it trains on the stdlib alone
 EDITIONS = {1: dict(arch=ARCH_1, lr=2e-3, max_steps=0, eval_every=500, pre_tokens="gpt2", depth_init=False),
             2: dict(arch=ARCH, lr=2e-3, max_steps=0, eval_every=250, pre_tokens="code", depth_init=True,
-                    corpus_repeat=2, mtp_depths=3, chain_rows=16, train_minutes=6.0, max_minutes=8.0, reserve_s=30.0)}
+                    corpus_repeat=2, mtp_depths=3, chain_rows=16, train_minutes=5.95, max_minutes=8.0, reserve_s=30.0)}
 
 
 @dataclass
@@ -68,7 +68,7 @@ class TrainConfig:
     mtp_chain_lambda: float = 0.15            # the weight of each chained depth's CE
     chain_rows: int = 0                       # sequences per micro-batch the chained depths see (0: all)
     bias_gamma: float = 1e-3
-    max_steps: int = 0                        # 0: the time budget (edition 2: 1200, ~9.5 epochs of 8.3 M tokens)
+    max_steps: int = 0                        # 0: the time budget
     max_minutes: float = 10.0                 # the whole command, data and export included
     train_minutes: float = 0.0                # > 0: the training loop's time budget (the schedule's length), if sooner
     reserve_s: float = 45.0                   # of that, kept for the final eval and export
@@ -93,6 +93,13 @@ def pre_tokenizer(c: TrainConfig):
     # the edition's tokenizer split: None is models/tiny.py's code split (CODE_SPLIT)
     from tokenizers import pre_tokenizers
     return None if EDITIONS[c.edition]["pre_tokens"] == "code" else pre_tokenizers.ByteLevel(add_prefix_space=False)
+
+
+def schedule_progress(run: dict, c: TrainConfig) -> float:
+    # the schedule's position, 0..1: steps of max_steps, or training time after the first (compiling) step of the budget
+    first = run.get("first_s", 0.0)
+    by_time = (run["train_s"] - first) / max(run["budget_s"] - first, 1e-9)
+    return max(by_time, run["step"] / c.max_steps if c.max_steps else 0.0)
 
 
 def parse(argv: list[str]) -> TrainConfig:
@@ -142,12 +149,14 @@ def main(argv: list[str]) -> int:
         torch.save(dict(target=target.state_dict(), draft=draft.state_dict(), opt=opt.state_dict(), run=run,
                         rng=g.get_state(), cfg=asdict(c)), work / "last.pt")
 
-    fwd = torch.compile(forward_losses) if c.compile else forward_losses
+    if c.compile:  # layer by layer: the layers share their code, so each kind (dense, MoE, MTP) compiles once, plus
+        torch._dynamo.config.cache_size_limit = 64   # its variants (eval mode, the chained depths' shapes)
+        for layer in [*target.model.layers, *draft.mtp]:
+            layer.compile()
     best, best_loss, recent, accum = None, float("inf"), [], c.batch_size // c.micro_batch
     bar = tqdm(total=c.max_steps or None, initial=run["step"], unit="step", dynamic_ncols=True, mininterval=2)
     last_save, t_log, tok_log, steady = time.time(), time.time(), run["tokens"], None
-    while time.time() < deadline and (progress := max(
-            run["train_s"] / run["budget_s"], run["step"] / c.max_steps if c.max_steps else 0.0)) < 1:
+    while time.time() < deadline and (progress := schedule_progress(run, c)) < 1:
         t_step, cos = time.time(), 0.5 * (1 + math.cos(math.pi * progress))   # linear warmup, then cosine by progress
         lr = c.lr * min((run["step"] + 1) / c.warmup_steps, c.min_lr_frac + (1 - c.min_lr_frac) * cos)
         for grp in opt.param_groups:
@@ -155,7 +164,7 @@ def main(argv: list[str]) -> int:
         for _ in range(accum):
             chunk = sample_batch(train_ids, c.micro_batch, c.seq_len, g)   # [b, T+1]
             with autocast(c.device):
-                main, ces, _, _ = fwd(target, draft, chunk, c.mtp_depths, c.chain_rows)
+                main, ces, _, _ = forward_losses(target, draft, chunk, c.mtp_depths, c.chain_rows)
             mtp, chain = ces[0], torch.stack(ces[1:]).mean() if len(ces) > 1 else torch.zeros_like(ces[0])
             ((main + c.mtp_lambda * mtp + c.mtp_chain_lambda * (len(ces) - 1) * chain) / accum).backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
@@ -175,6 +184,7 @@ def main(argv: list[str]) -> int:
         bar.update()
         run["train_s"] += time.time() - t_step
         steady = steady or (run["tokens"], run["train_s"])  # after this process's first (compiling) step
+        run.setdefault("first_s", run["train_s"])
         if run["step"] % c.eval_every == 0:
             ev, (rm, rt, _, _) = evaluate(target, draft, held_ids, c, c.eval_seqs), torch.stack(recent).mean(0).tolist()
             run["evals"].append(dict(step=run["step"], tokens=run["tokens"], train_loss=rm, train_mtp_loss=rt, **ev))
