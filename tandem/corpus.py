@@ -12,7 +12,7 @@ Two parts, both plain .py files under 256 KiB, paths kept relative:
   held-out file reaches training in any form.
 `manifest.json` in the archive lists the distributions, versions, files kept and dropped, and the rule.
 
-    tandem corpus --out build/corpus/python-code.tar.xz          # on CPython 3.11.7 with the venv of `make install-test`
+    tandem corpus --out build/corpus/python-code.tar.xz     # CPython 3.11.7 and the venv of `make install-test`
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import json
 import os
 import sys
 import tarfile
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -80,8 +79,8 @@ def distribution_files(name: str, version: str, strict: bool) -> list[tuple[str,
     return sorted(out)
 
 
-def select(stdlib: Path, strict: bool) -> tuple[list[tuple[str, bytes]], dict]:
-    """-> [(archive path, bytes)] in archive order, and the manifest."""
+def select(stdlib: Path, packages=PACKAGES, strict: bool = True) -> tuple[list[tuple[str, bytes]], dict]:
+    """[(distribution, pinned version)] -> [(archive path, bytes)] in archive order, and the manifest."""
     kept, seen, report = [], set(), []
     line_files, sizes = defaultdict(set), []                   # distinctive line -> stdlib files holding it
     for i, rel in enumerate(stdlib_files(stdlib)):
@@ -91,7 +90,7 @@ def select(stdlib: Path, strict: bool) -> tuple[list[tuple[str, bytes]], dict]:
         for s in lines:
             line_files[s].add(i)
     n_stdlib = len(kept)
-    for name, version in PACKAGES:
+    for name, version in packages:
         stats = Counter()
         for arc, path in distribution_files(name, version, strict):
             data = path.read_bytes()
@@ -99,14 +98,15 @@ def select(stdlib: Path, strict: bool) -> tuple[list[tuple[str, bytes]], dict]:
             hits = Counter(i for s in lines for i in line_files.get(s, ()))
             if digest in seen:
                 stats["dropped_copies"] += 1
-            elif any(n >= NEAR * len(lines) or (n >= NEAR * sizes[i] and sizes[i] >= MIN_SHARED) for i, n in hits.items()):
+            elif any(n >= NEAR * len(lines) or (n >= NEAR * sizes[i] and sizes[i] >= MIN_SHARED)
+                     for i, n in hits.items()):
                 stats["dropped_stdlib_near_copies"] += 1
             else:
                 seen.add(digest), kept.append((arc, data))
                 stats["files"] += 1
                 stats["bytes"] += len(data)
         report.append(dict(distribution=name, version=md.version(name), pinned=version, **stats))
-    manifest = dict(built=time.strftime("%Y-%m-%d"), python=sys.version.split()[0], stdlib_root=str(stdlib),
+    manifest = dict(python=sys.version.split()[0], stdlib_root=str(stdlib),
                     stdlib_files=n_stdlib, stdlib_bytes=sum(len(d) for _, d in kept[:n_stdlib]),
                     extra_files=len(kept) - n_stdlib, extra_bytes=sum(len(d) for _, d in kept[n_stdlib:]),
                     rule=(f".py files < {MAX_BYTES} bytes; exact copies of an earlier file dropped (stdlib first); a "
@@ -134,11 +134,11 @@ def main(argv=None) -> int:
     p.add_argument("--any-version", action="store_true", help="warn instead of failing when a pin differs")
     p.add_argument("--list", action="store_true", help="print the manifest, write nothing")
     a = p.parse_args(argv)
-    files, manifest = select(Path(a.stdlib), not a.any_version)
+    files, manifest = select(Path(a.stdlib), strict=not a.any_version)
     print(json.dumps({k: v for k, v in manifest.items() if k != "distributions"}, indent=1))
     for d in manifest["distributions"]:
-        print(f"  {d['distribution']:<18} {d['version']:<14} files {d.get('files', 0):5d}  bytes {d.get('bytes', 0):>11,}"
-              f"  copies {d.get('dropped_copies', 0):4d}  near-copies {d.get('dropped_stdlib_near_copies', 0):3d}")
+        print(f"  {d['distribution']:<18} {d['version']:<14} files {d.get('files', 0):5d}  "
+              f"bytes {d.get('bytes', 0):>11,}  copies {d.get('dropped_copies', 0):4d}  near-copies {d.get('dropped_stdlib_near_copies', 0):3d}")
     if not a.list:
         pack(Path(a.out), files, manifest)
         print(f"{a.out}: {len(files)} files, {Path(a.out).stat().st_size:,} bytes")

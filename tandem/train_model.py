@@ -89,8 +89,8 @@ def evaluate(target, draft, held: torch.Tensor, c, n_seqs: int, nbytes: torch.Te
     c.mtp_depths > 1 also the chained depths' top-1 accuracy on token t+d+1, full windows only), over n_seqs
     windows of c.seq_len + 1 tokens (0: the whole stream); nbytes [V]: bytes per token id."""
     depths, dev = getattr(c, "mtp_depths", 1), held.device
-    keys = ["nll", "mnll", "acc", "macc", "agree", "n", "n2", "bytes"] + [f"acc{d}" for d in range(2, depths + 1)] + \
-        [f"n{d}" for d in range(3, depths + 2)]
+    chained = range(2, depths + 1)                                         # depth d predicts token t+d+1
+    keys = ["nll", "mnll", "acc", "macc", "agree", "n", "n2", "bytes"] + [f"{k}_d{d}" for d in chained for k in ("acc", "n")]
     sums = dict.fromkeys(keys, torch.zeros((), dtype=torch.float64, device=dev))
     target.eval(), draft.eval()
     for _, same in itertools.groupby(held_windows(held, c.seq_len, n_seqs), key=len):
@@ -106,16 +106,17 @@ def evaluate(target, draft, held: torch.Tensor, c, n_seqs: int, nbytes: torch.Te
                        mnll=F.cross_entropy(mlogits[0].float().flatten(0, 1), y2.flatten(), reduction="sum"),
                        acc=(pred == y).sum(), macc=(mpred == y2).sum(), agree=(mpred == pred[:, 1:]).sum(),
                        n=y.numel(), n2=y2.numel(), bytes=nbytes.to(dev)[y].sum() if nbytes is not None else 0)
-            for d, ml in enumerate(mlogits[1:], start=2):                  # depth d predicts token t+d+1
-                got[f"acc{d}"], got[f"n{d + 1}"] = (ml.argmax(-1) == chunk[:, d + 1:]).sum(), ml.shape[0] * ml.shape[1]
+            for d, ml in enumerate(mlogits[1:], start=2):                  # [b, T-d, V]
+                got[f"acc_d{d}"], got[f"n_d{d}"] = (ml.argmax(-1) == chunk[:, d + 1:]).sum(), ml.shape[0] * ml.shape[1]
             for k, v in got.items():
                 sums[k] = sums[k] + v
     target.train(), draft.train()
     s = {k: float(v) for k, v in sums.items()}
+    chain = {f"mtp{d}_acc": s[f"acc_d{d}"] / max(s[f"n_d{d}"], 1) for d in chained}
+    per_byte = {} if nbytes is None else dict(bits_per_byte=s["nll"] / math.log(2) / s["bytes"], eval_bytes=int(s["bytes"]))
     return dict(loss=s["nll"] / s["n"], ppl=math.exp(s["nll"] / s["n"]), mtp_loss=s["mnll"] / s["n2"],
                 main_acc=s["acc"] / s["n"], mtp_acc=s["macc"] / s["n2"], mtp_agree_greedy=s["agree"] / s["n2"],
-                eval_tokens=int(s["n"]), **{f"mtp{d}_acc": s[f"acc{d}"] / max(s[f"n{d + 1}"], 1) for d in range(2, depths + 1)},
-                **(dict(bits_per_byte=s["nll"] / math.log(2) / s["bytes"], eval_bytes=int(s["bytes"])) if nbytes is not None else {}))
+                eval_tokens=int(s["n"]), **chain, **per_byte)
 
 
 def export(target, draft, cfg_raw: dict, out: Path) -> int:
