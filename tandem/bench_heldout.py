@@ -26,7 +26,9 @@ def main(argv=None) -> int:
     from models.loader import load_model
     from models.model import DraftModel, TargetModel
     from models.tiny import default_model
-    from tandem.train import TrainConfig, evaluate, token_bytes, token_stream
+    from tandem.train import TrainConfig
+    from tandem.train_data import token_bytes, token_stream
+    from tandem.train_model import evaluate
     p = argparse.ArgumentParser(prog="tandem bench heldout", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")

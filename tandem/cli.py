@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=_generate)
     for name, module in (("serve", "tandem.serve"), ("target", "services.target.server"),
                          ("draft", "services.draft.server"), ("gateway", "gateway.server"),
-                         ("train", "tandem.train"), ("bench", "tandem.bench")):
+                         ("train", "tandem.train"), ("corpus", "tandem.corpus"), ("bench", "tandem.bench")):
         s = sub.add_parser(name, help=f"see `tandem {name} --help`", add_help=False)
         s.set_defaults(module=module)
     args, rest = p.parse_known_args(argv)

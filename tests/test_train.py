@@ -1,6 +1,8 @@
 """`tandem train` on a few stdlib files with a tiny shape, end to end on CPU: the split, the code tokenizer, the
 held-out windows (every token after the first scored once), bits per byte, the export (shards within 16 MiB
-with their header, loadable by the serving loader), and `tandem bench heldout` agreeing with the training log."""
+with their header, loadable by the serving loader), and `tandem bench heldout` agreeing with the training log;
+edition 2's recipe: --extra training-only files and the stdlib's weight, the chained MTP depths' alignment, the
+depth-scaled init, and the schedule's clock starting after the compiling step."""
 import json
 import math
 import os
@@ -8,12 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from models.config import ModelConfig
 from models.loader import load_model
 from models.model import DraftModel, TargetModel
 from models.tiny import CODE_SPLIT
-from tandem import bench_heldout, train
+from tandem import bench_heldout, train, train_model
+from tandem.train_model import build_models
 
 TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, q_lora_rank=32,
             kv_lora_rank=32, num_attention_heads=2, num_key_value_heads=2, vocab_size=1024)
@@ -32,19 +37,67 @@ def test_held_windows_score_every_token_once():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("train")
+    (out / "extra" / "pkg").mkdir(parents=True)
+    for i in range(2):                                  # training-only code, never held out
+        (out / "extra" / "pkg" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20)
     args = [f"--arch={k}={v}" for k, v in TINY.items()] + [
         "--max-files", "24", "--seq-len", "32", "--batch-size", "4", "--micro-batch", "2", "--max-steps", "4",
         "--eval-every", "2", "--eval-seqs", "4", "--warmup-steps", "2", "--max-minutes", "5", "--reserve-s", "1",
-        "--out", str(out / "ck"), "--work-dir", str(out / "work"), "--device", "cpu", "--edition", "2"]
+        "--out", str(out / "ck"), "--work-dir", str(out / "work"), "--device", "cpu", "--edition", "2",
+        "--extra", str(out / "extra"), "--chain-rows", "1"]
     assert train.main(args) == 0
     return out / "ck"
+
+
+def tiny_models(depth_init: bool = True):
+    c = train.parse(["--edition", "2", "--device", "cpu"] + [f"--arch={k}={v}" for k, v in TINY.items()])
+    c.depth_init = depth_init
+    return build_models(ModelConfig.from_dict(train.model_config(c)), c)[:2]
+
+
+def test_chained_mtp_depths_line_up():
+    """Depth d at position t reads tokens 0..t+d (the target's hidden at t, then the MTP's own output, and the
+    embeddings of tokens t+1..t+d) and predicts token t+d+1: changing token t+d+1 leaves its logits alone,
+    changing token t+d does not; the chained depths see only the first chain_rows sequences."""
+    target, draft = tiny_models()
+    chunk, t = torch.randint(3, 1024, (2, 17), generator=torch.Generator().manual_seed(0)), 5
+    with torch.no_grad():
+        main, ces, _, mlogits = train_model.forward_losses(target, draft, chunk, 3, 1)
+        assert [tuple(m.shape) for m in mlogits] == [(2, 15, 1024), (1, 14, 1024), (1, 13, 1024)] and len(ces) == 3
+        for d, (ce, ml) in enumerate(zip(ces, mlogits), start=1):     # scored against token t+d+1
+            assert torch.allclose(ce, F.cross_entropy(ml.flatten(0, 1), chunk[: ml.shape[0], d + 1:].flatten()))
+        for d in (1, 2, 3):
+            later, last = chunk.clone(), chunk.clone()
+            later[:, t + d + 1] = (later[:, t + d + 1] + 1) % 1024
+            last[:, t + d] = (last[:, t + d] + 1) % 1024
+            same = train_model.forward_losses(target, draft, later, 3, 1)[3][d - 1][:, t]
+            other = train_model.forward_losses(target, draft, last, 3, 1)[3][d - 1][:, t]
+            assert torch.equal(same, mlogits[d - 1][:, t]) and not torch.allclose(other, mlogits[d - 1][:, t])
+
+
+def test_depth_init_scales_the_residual_outputs():
+    scaled, plain = tiny_models(True)[0], tiny_models(False)[0]
+    L = TINY["num_hidden_layers"]
+    for name, p in scaled.named_parameters():
+        q = dict(plain.named_parameters())[name]
+        factor = (2 * (L + 1)) ** -0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+        assert torch.allclose(p, q * factor), name
+
+
+def test_schedule_time_starts_after_the_compiling_step():
+    c = train.parse([])
+    assert train.schedule_progress(dict(step=1, train_s=50.0, budget_s=350.0), c) == pytest.approx(50 / 350)
+    assert train.schedule_progress(dict(step=9, train_s=200.0, budget_s=350.0, first_s=50.0), c) == 0.5
+    c.max_steps = 10
+    assert train.schedule_progress(dict(step=9, train_s=200.0, budget_s=350.0, first_s=50.0), c) == 0.9
 
 
 def test_editions():
     """--edition 1 (the default) is today's bundled model's shape and schedule; 2 the deeper one; flags win."""
     one, two = train.parse([]), train.parse(["--edition", "2", "--lr", "1e-3"])
-    assert one.arch == train.ARCH_1 and (one.lr, one.max_steps, one.eval_every) == (2e-3, 0, 500)
-    assert two.arch == train.ARCH and (two.lr, two.max_steps, two.eval_every) == (1e-3, 1200, 100)
+    assert one.arch == train.ARCH_1 and (one.lr, one.max_steps, one.eval_every, one.mtp_depths) == (2e-3, 0, 500, 1)
+    assert (one.corpus_repeat, one.depth_init, one.train_minutes, one.extra) == (1, False, 0.0, "")
+    assert two.arch == train.ARCH and (two.lr, two.mtp_depths, two.corpus_repeat, two.train_minutes) == (1e-3, 3, 2, 5.95)
     assert json.loads((Path(__file__).parents[1] / "checkpoints/tandem-code-mini/config.json").read_text())[
         "num_hidden_layers"] == one.arch["num_hidden_layers"]
 
@@ -53,6 +106,10 @@ def test_train_exports_a_servable_checkpoint(trained):
     log = json.loads((trained / "train_log.json").read_text())
     held = json.loads((trained / "heldout_files.json").read_text())
     assert (held["n_train_files"], held["n_heldout_files"]) == (23, 1) and log["steps"] == 4
+    corpus = log["corpus"]                  # edition 2: the stdlib training files twice, then the extra files
+    assert (corpus["extra_files"], corpus["corpus_repeat"]) == (2, 2) and corpus["extra_tokens"] > 0
+    assert corpus["train_tokens"] == 2 * corpus["stdlib_train_tokens"] + corpus["extra_tokens"]
+    assert 0 <= log["heldout_mtp2_acc"] <= 1 and 0 <= log["heldout_mtp3_acc"] <= 1
     tok = Tokenizer.from_file(str(trained / "tokenizer.json"))
     assert json.loads(tok.to_str())["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] == CODE_SPLIT
     # bits per byte: the same negative log-likelihood as the loss, per byte of the scored tokens
