@@ -173,7 +173,7 @@ def fused_moe_fp8_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, 
     if N == 0:
         return torch.zeros(0, D, dtype=x.dtype, device=x.device)
     block_m = block_m or moe_tiles.block_m(N, N * k, E)
-    tiles = tiles or moe_tiles.moe_tiles("fp8", N, N * k, D, I)
+    tiles = tiles or moe_tiles.moe_tiles("fp8", N, N * k, D, I, block_m)
     (bn, _, warps, stages, _), (bn2, _, warps2, stages2, split) = tiles
     pair_ids, block_expert, xq, xs = group_and_quant(x, ids, first, E, block_m)
     blocks = block_expert.shape[0]

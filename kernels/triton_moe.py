@@ -103,7 +103,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
     if N == 0:
         return torch.zeros(0, D, dtype=x.dtype, device=x.device)
     block_m = block_m or moe_tiles.block_m(N, N * k, E)
-    tiles = tiles or moe_tiles.moe_tiles("bf16", N, N * k, D, I)
+    tiles = tiles or moe_tiles.moe_tiles("bf16", N, N * k, D, I, block_m)
     (bn, bk, warps, stages, _), (bn2, bk2, warps2, stages2, split) = tiles
     pair_ids, block_expert = group_pairs(ids, first, E, block_m)
     blocks = block_expert.shape[0]

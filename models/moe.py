@@ -57,6 +57,22 @@ class DenseMLP(MLP):
         return all_reduce(super().forward(x), self.ps.tp_group, self.ps.tp_size)
 
 
+ROUTER_CLASSES = (16, 32, 64, 128)    # CUDA: a call of n rows runs as the class's row count (prefill beyond: n)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # x: [N, D], weight: [E, D] -> [N, E] fp32 (DeepSeek routes in fp32, autocast or not). cuBLAS's fp32 GEMM picks
+    # its kernel by row count (an H200: one row's sums differ in the last bit from two rows', BENCHMARKS.md
+    # "Lossless"), so on CUDA the rows are computed padded to their class: a decode row routes exactly as the same
+    # row of a verify step of the class, where a near-tie between experts could otherwise go the other way.
+    n = x.shape[0]
+    pad = next((c for c in ROUTER_CLASSES if n <= c), n) if x.is_cuda else n
+    rows = torch.empty(pad, x.shape[1], dtype=torch.float32, device=x.device)       # rows past n: never read
+    rows[:n].copy_(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(rows, weight.float())[:n]
+
+
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -72,8 +88,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [N, D] -> weights [N, k] (fp32), expert ids [N, k]
-        with torch.autocast(x.device.type, enabled=False):     # DeepSeek routes in fp32, autocast or not
-            logits = F.linear(x.float(), self.weight.float())
+        logits = router_logits(x, self.weight)
         bias = self.e_score_correction_bias.float() if hasattr(self, "e_score_correction_bias") else None
         return dispatch.route(logits, bias, self.spec)          # kernels/router.py: the rule
 

@@ -111,7 +111,7 @@ def measure_shape(shape, a, sms: int) -> dict:
         ref = fp8.fp8_linear(x.float(), *ws[0])
         scales = 4 * -(-N // fc.BLOCK_K) * -(-K // fc.BLOCK_K)
         row = {"floor_us": 1e6 * (N * K + scales + (K + N) * M * x.element_size()) / FLOOR_BW}
-        if dev.startswith("cuda"):
+        if dev.startswith("cuda") and fc.cublas_fits(N, K):              # the kernel's CUBLAS classes need it
             row["cublas_us"], _, row["cublas_note"] = try_time(lambda x, w, s: scaled_mm(x, w, s), x, ws, ref, dev)
         if M == SEARCH[cls]:
             row["candidates"] = []

@@ -18,7 +18,7 @@ def test_bench_fp8_runs_every_part_on_cpu(tmp_path):
     v2 = r["v2lite"]
     assert {row["quantization"] for row in v2["rows"]} == {"none", "fp8"}
     assert all(row["weights_vs_bf16"] < 0.7 for row in v2["rows"] if row["quantization"] == "fp8")
-    assert v2["k3_equals_k0"] == v2["prompts"]                     # lossless within the fp8 target
+    assert v2["k3_equals_k0"]["fp8 batch 1"] == v2["k3_equals_k0"]["none batch 1"] == v2["prompts"]   # lossless
     assert {(row["batch"], row["k"]) for row in r["v3"]["rows"]} == {(1, 0), (1, 3), (2, 0), (2, 3)}
     assert all(row["full_estimate_ms"] > 0 and row["floor_ms"] > 0 for row in r["v3"]["rows"])
     acc = r["accuracy"]

@@ -1,0 +1,46 @@
+"""Lossless greedy needs a verify row (K + 1 rows a request) to get the same bits as the decode row (one): the ops
+of a step must not change their arithmetic with the number of rows. Measured on an H200 (BENCHMARKS.md
+"Lossless"): cuBLAS's bf16 GEMMs keep a row's bits from 1 to 16 rows, but its fp32 GEMV for one row does not match
+the GEMM of two or more (nor, at DeepSeek-V3's 7168 columns, two rows those of sixteen): the router (fp32,
+DeepSeek's rule) therefore pads its rows to a class (models/moe.ROUTER_CLASSES), as the fp8 GEMM does. The fp8
+GEMM and the fused MoE have their own class tests (test_fp8_kernels.py, test_moe_kernels.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.moe import router_logits
+
+CUDA = torch.cuda.is_available()
+
+
+def test_router_logits_are_fp32_linear_on_cpu():
+    w, x = torch.randn(8, 32), torch.randn(3, 32).bfloat16()
+    for m in (1, 3):
+        out = router_logits(x[:m], w)
+        assert out.dtype == torch.float32 and out.shape == (m, 8)
+        assert torch.equal(out, F.linear(x[:m].float(), w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA; this machine has none")
+@pytest.mark.parametrize("E,D", [(64, 2048), (256, 7168)])             # V2-Lite's and DeepSeek-V3's routers
+def test_router_rows_do_not_depend_on_their_neighbours(E, D):
+    g = torch.Generator().manual_seed(E)
+    w = (torch.randn(E, D, generator=g) * 0.02).bfloat16().cuda()
+    x = torch.randn(32, D, generator=g).bfloat16().cuda()
+    for cls, lo in ((16, 1), (32, 17)):                                 # decode (1) and verify of K <= 15; batch
+        full = router_logits(x[:cls], w)
+        for m in range(lo, cls + 1):
+            assert torch.equal(router_logits(x[:m], w), full[:m]), (cls, m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA; this machine has none")
+@pytest.mark.parametrize("N,K", [(3072, 2048), (576, 2048), (2048, 1408), (102400, 2048)])
+def test_bf16_linear_rows_do_not_depend_on_their_neighbours(N, K):
+    g = torch.Generator().manual_seed(N)
+    w = (torch.randn(N, K, generator=g) * 0.02).bfloat16().cuda()
+    x = torch.randn(16, K, generator=g).bfloat16().cuda()
+    full = F.linear(x, w)
+    for m in range(1, 17):
+        assert torch.equal(F.linear(x[:m], w), full[:m]), m
