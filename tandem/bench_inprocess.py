@@ -5,7 +5,8 @@ draft servicers, tandem/inprocess.py), placed as `tandem serve` places them (tar
 cuda:1 when there are two GPUs), but no gRPC, no gateway process and no bridge: messages are handed over
 as objects and hidden rows as tensors. Continuous batching as the gateway does it: up to `batch` requests
 run, a finished one is replaced by the next prompt before the following round. Served tokens/s divided by
-these tokens/s is the cost of the split.
+these tokens/s is the cost of the split. On a CPU the engines compute on the served services' torch thread count
+(one), so the two sides differ only by the split.
 """
 from __future__ import annotations
 
@@ -139,8 +140,11 @@ def random_id(a) -> str | None:
 def run_grid(model: str, a, profile: str | None = None) -> list[dict]:
     """Every (batch, K) of a's grid in this process (ks, batches, requests_per_batch, max_tokens, ...), with
     synthetic acceptance `profile` (default a.synthetic_acceptance)."""
+    from services.config import ServiceConfig
     from services.target.synthetic import parse_profile
     from tandem.bench import bench_prompts
+    if a.device == "cpu":               # as served: each service computes on ServiceConfig.threads torch threads
+        torch.set_num_threads(ServiceConfig.threads)
     synth = parse_profile(a.synthetic_acceptance if profile is None else profile)
     te, de = make_engines(model, a.device, a.dtype, synthetic_acceptance=synth,
                           quantization=getattr(a, "quantization", "auto"),
