@@ -137,18 +137,24 @@ def random_id(a) -> str | None:
     return random_model_id(a.random_config, a.seed) if a.random_config else None
 
 
-def run_grid(model: str, a, profile: str | None = None) -> list[dict]:
-    """Every (batch, K) of a's grid in this process (ks, batches, requests_per_batch, max_tokens, ...), with
-    synthetic acceptance `profile` (default a.synthetic_acceptance)."""
+def grid_engines(model: str, a, profile: str | None = None) -> tuple[TargetEngine, DraftEngine]:
+    """The engines of a's grid with synthetic acceptance `profile` (default a.synthetic_acceptance); on a CPU
+    they compute on the served services' torch thread count."""
     from services.config import ServiceConfig
     from services.target.synthetic import parse_profile
-    from tandem.bench import bench_prompts
     if a.device == "cpu":               # as served: each service computes on ServiceConfig.threads torch threads
         torch.set_num_threads(ServiceConfig.threads)
     synth = parse_profile(a.synthetic_acceptance if profile is None else profile)
-    te, de = make_engines(model, a.device, a.dtype, synthetic_acceptance=synth,
-                          quantization=getattr(a, "quantization", "auto"),
-                          draft_quantization=getattr(a, "draft_quantization", ""))
+    return make_engines(model, a.device, a.dtype, synthetic_acceptance=synth,
+                        quantization=getattr(a, "quantization", "auto"),
+                        draft_quantization=getattr(a, "draft_quantization", ""))
+
+
+def run_grid(model: str, a, profile: str | None = None) -> list[dict]:
+    """Every (batch, K) of a's grid in this process (ks, batches, requests_per_batch, max_tokens, ...), with
+    synthetic acceptance `profile` (default a.synthetic_acceptance)."""
+    from tandem.bench import bench_prompts
+    te, de = grid_engines(model, a, profile)
     ks = [int(x) for x in str(a.ks).split(",")]
     rows = []
     for b in (int(x) for x in str(a.batches).split(",")):

@@ -26,6 +26,7 @@ Requests sent as token ids (seeded 1000 + i), ignore_eos, greedy unless --worklo
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 import urllib.request
@@ -191,7 +192,8 @@ def parse(argv):
 def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) -> list[dict]:
     """The served grid with one synthetic acceptance profile ('' : the model's own): a cluster per
     speculation mode, all up at once and measured in turn (each batch's rows, --repeats times, interleaved:
-    the machine's load drifts alike for all), then in process."""
+    the machine's load drifts alike for all); in process (--in-process) between the served repeats on a CPU,
+    after them on a GPU."""
     ks = [int(x) for x in a.ks.split(",")]
     modes = a.speculation.split(",")
     serve_args = ["--device", a.device, "--quantization", a.quantization] + (["--dtype", a.dtype] if a.dtype else [])
@@ -202,6 +204,11 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
         serve_args += ["--synthetic-acceptance", profile]
     clusters = {}                                   # mode -> (process or None, gateway, metrics address)
     runs: dict[tuple, list[dict]] = {}
+    inproc: dict[tuple, list[dict]] = {}            # (batch, k) -> in-process runs
+    engines = None
+    if a.in_process and a.device == "cpu":          # CPU: in process between the served repeats (drift alike)
+        from tandem.bench_inprocess import grid_engines, measure
+        engines = grid_engines(model, a, profile)
     try:
         for mode in modes:
             clusters[mode] = ((None, a.gateway, a.metrics) if a.gateway else
@@ -218,6 +225,9 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
                         print(f"served {r['acceptance']} batch {b:3d} {mode} K={k}: {r['tokens_per_s']:9.1f} tok/s  MAL "
                               f"{r['mean_acceptance_length']:.2f}  mean k {r['mean_k']:.2f}  ms/round "
                               f"{r['ms_per_round'].get('round', 0):.2f}", flush=True)
+                if engines is not None:
+                    for k in ks:
+                        inproc.setdefault((b, k), []).append(measure(*engines, prompts, k, b, a.max_tokens))
     finally:
         for proc, _, _ in clusters.values():
             stop_cluster(proc)
@@ -232,7 +242,10 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
             r["speedup"] = r["tokens_per_s"] / base
     if a.in_process:
         from tandem.bench_inprocess import run_grid
-        inproc = {(r["batch"], r["k"]): r for r in run_grid(model, a, profile)}
+        if engines is None:                         # GPU: after the served grid (the clusters hold the memory)
+            inproc = {(r["batch"], r["k"]): [r] for r in run_grid(model, a, profile)}
+        inproc = {key: {**rs[-1], "tokens_per_s": statistics.mean(x["tokens_per_s"] for x in rs)}
+                  for key, rs in inproc.items()}
         for r in (r for r in rows if r["speculation"] == "fixed"):
             ip = inproc[(r["batch"], r["k"])]
             base = inproc[(r["batch"], ks[0])]["tokens_per_s"]
