@@ -152,8 +152,8 @@ class Scheduler:
     async def _round(self, batch: list[GenRequest]) -> None:
         """One speculative round over the running batch: Propose for the requests the draft speculates
         for, Verify every request (with no drafts for the others), commit the target's tokens."""
+        round_t0 = time.perf_counter()      # the policy's own time is the gateway's part of the round
         spec = self.policy.plan(batch)      # who goes to the draft, each with its k (GenRequest.round_k)
-        round_t0 = time.perf_counter()
         split = {"propose": 0.0, "transfer": 0.0, "draft_compute": 0.0}   # round split (metrics)
         drafts = await self._propose(batch, spec, split) if spec else {}
         if drafts is None:

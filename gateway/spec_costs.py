@@ -37,14 +37,12 @@ class Shape:
     def __init__(self):
         self.obs: deque[float] = deque(maxlen=WINDOW)
         self.last = 0
+        self.value = 0.0                            # median(obs), kept as obs change (read every round)
 
     def add(self, y: float, now: int) -> None:
         self.obs.append(y)
         self.last = now
-
-    @property
-    def value(self) -> float:
-        return median(self.obs)
+        self.value = median(self.obs)
 
 
 class Table:
@@ -53,19 +51,28 @@ class Table:
 
     def __init__(self):
         self.shapes: dict[tuple, Shape] = {}
-        self.coef: list[float] | None = None       # [c0, c1, ...] of the line; None until something is measured
+        self._coef: list[float] | None = None      # the line as of the last add's round; None: not fitted since
+        self._now = 0
 
     def add(self, x: tuple, y: float, now: int) -> None:
         self.shapes.setdefault(x, Shape()).add(y, now)
-        self.coef = line(self.shapes, now)
+        self._coef, self._now = None, now           # refitted when a prediction needs it (most read trusted shapes)
+
+    @property
+    def coef(self) -> list[float] | None:
+        """[c0, c1, ...] of the line; None until something is measured."""
+        if self._coef is None and self.shapes:
+            self._coef = line(self.shapes, self._now)
+        return self._coef
 
     def predict(self, x: tuple) -> float | None:
         s = self.shapes.get(x)
         if s is not None and len(s.obs) >= TRUST:
             return s.value
-        if self.coef is None:
+        coef = self.coef
+        if coef is None:
             return None
-        return max(0.0, self.coef[0] + sum(c * v for c, v in zip(self.coef[1:], x)))
+        return max(0.0, coef[0] + sum(c * v for c, v in zip(coef[1:], x)))
 
 
 def line(shapes: dict[tuple, Shape], now: int) -> list[float]:
