@@ -191,9 +191,9 @@ def parse(argv):
 
 def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) -> list[dict]:
     """The served grid with one synthetic acceptance profile ('' : the model's own): a cluster per
-    speculation mode, all up at once and measured in turn (each batch's rows, --repeats times, interleaved:
-    the machine's load drifts alike for all); in process (--in-process) between the served repeats on a CPU,
-    after them on a GPU."""
+    speculation mode, all up at once and measured in turn (each batch's rows, --repeats times, interleaved,
+    the modes' order reversed every other repeat: the machine's load drifts alike for all); in process
+    (--in-process) between the served repeats on a CPU, after them on a GPU."""
     ks = [int(x) for x in a.ks.split(",")]
     modes = a.speculation.split(",")
     serve_args = ["--device", a.device, "--quantization", a.quantization] + (["--dtype", a.dtype] if a.dtype else [])
@@ -216,8 +216,8 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
         stubs = {m: generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(c[1])) for m, c in clusters.items()}
         for b in (int(x) for x in a.batches.split(",")):
             prompts = bench_prompts(model, b * a.requests_per_batch, a.prompt_tokens, seed=b)
-            for _ in range(a.repeats):
-                for mode in modes:
+            for rep in range(a.repeats):
+                for mode in (modes if rep % 2 == 0 else modes[::-1]):      # each mode first every other repeat
                     for k in (ks if mode == "fixed" else [max(ks)]):
                         r = run_served(stubs[mode], clusters[mode][2], prompts, k, b, a.max_tokens, a.workload == "mixed")
                         r.update(acceptance=profile or "model", speculation=mode, workload=a.workload)

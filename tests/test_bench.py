@@ -193,3 +193,20 @@ def test_prefill_flop_count_is_the_models_parameters(preset):
     for n, start in ((1, 0), (100, 0), (37, 250)):
         want = 2 * per_token * n + attention * pairs(n, start) + head
         assert forward_flops(cfg, n, start) == pytest.approx(want, rel=1e-9), (n, start)
+
+
+def test_bench_speed_fixed_and_adaptive_repeats(tmp_path):
+    """Both speculation modes, a cluster each, every row measured twice (the modes' order alternating)."""
+    cmd = [sys.executable, "-m", "tandem", "bench", "speed", "--random-config", "tiny", "--ks", "0,2",
+           "--batches", "2", "--max-tokens", "6", "--requests-per-batch", "1", "--prompt-tokens", "12",
+           "--synthetic-acceptance", "0.9", "--speculation", "fixed,adaptive", "--repeats", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "speed.json").read_text())
+    assert [(r["speculation"], r["k"]) for r in rows] == [("fixed", 0), ("fixed", 2), ("adaptive", 2)]
+    for r in rows:
+        assert len(r["tokens_per_s_runs"]) == 2 and all(t > 0 for t in r["tokens_per_s_runs"]) and r["spread"] >= 0
+        assert r["tokens"] == 6 * 2
+    assert 0 <= rows[-1]["mean_k"] <= 2
+    served = [line.split()[4] for line in proc.stdout.splitlines() if line.startswith("served ")]
+    assert served == ["fixed", "fixed", "adaptive", "adaptive", "fixed", "fixed"], served   # order reversed in repeat 2
