@@ -1,25 +1,23 @@
-"""`tandem bench speed`: decode tokens/s of the served cluster per (K, batch) with ratios against
-K = 0 in the same run, and where each round's time goes: propose (the Propose RPC wall, of which
-the draft's bridge transfer and its compute), verify (the Verify RPC wall, of which the target's
-compute) and gateway (the round less both RPCs), read from the gateway's
-`tandem:round_phase_seconds` before and after each measured run. With --in-process the
-same grid runs afterwards in one process (tandem/bench_inprocess.py): served / in-process tokens/s
-is the cost of splitting the model into services. Each row also gives its roofline (tandem/roofline.py):
-the ideal round (byte floors of the verify step and of K draft steps at that batch and context, at the
-copy bandwidth measured on the device in the same run), the tokens/s it allows at the measured mean
-acceptance length, and the fraction reached. --synthetic-acceptance may be given several times (a cluster
-per profile): a constant, and a per-position profile like DeepSeek-R1's published MTP runs.
+"""`tandem bench speed`: decode tokens/s of the served cluster per (K, batch) with ratios against K = 0 in the
+same run, and where each round's time goes: propose (the Propose RPC wall, of which the draft's bridge transfer
+and its compute), verify (the Verify RPC wall, of which the target's compute) and gateway (the rest), read from
+the gateway's `tandem:round_phase_seconds` around each measured run. --in-process runs the same grid in one
+process too (tandem/bench_inprocess.py; on a CPU between the served repeats): served / in-process tokens/s is the
+cost of the split. Each row gives its roofline (tandem/roofline.py): the ideal round (byte floors of the verify
+step and of K draft steps at that batch and context, at the copy bandwidth measured in the same run), the tokens/s
+it allows at the measured acceptance length, and the fraction reached. --synthetic-acceptance may be given
+several times (a cluster per profile): a constant, and a per-position profile like DeepSeek-R1's MTP runs.
 
     tandem bench speed --device cuda --random-config v2-lite --synthetic-acceptance 0.85 \
         --synthetic-acceptance 0.92,0.72,0.36 --ks 0,3 --batches 1,32
 
-Adaptive speculation (gateway/adaptive.py) side by side with the fixed K grid, on a mixed workload (every
-other request sampled at temperature 1) and near-zero acceptance:
+Adaptive speculation (gateway/adaptive.py) beside the fixed K grid, on a mixed workload (every other request
+sampled at temperature 1) and near-zero acceptance (a cluster per mode and profile; the adaptive rows cap k at the
+largest of --ks and give the mean k it chose):
 
     tandem bench speed --speculation fixed,adaptive --ks 0,1,2,3 --workload mixed
     tandem bench speed --speculation fixed,adaptive --synthetic-acceptance 0.92,0.72,0.36 --synthetic-acceptance 0.02
 
-(a cluster per mode and profile; the adaptive rows cap k at the largest of --ks and give the mean k it chose).
 Requests sent as token ids (seeded 1000 + i), ignore_eos, greedy unless --workload mixed. Unknown flags go to
 `tandem serve`.
 """
@@ -190,10 +188,9 @@ def parse(argv):
 
 
 def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) -> list[dict]:
-    """The served grid with one synthetic acceptance profile ('' : the model's own): a cluster per
-    speculation mode, all up at once and measured in turn (each batch's rows, --repeats times, interleaved,
-    the modes' order reversed every other repeat: the machine's load drifts alike for all); in process
-    (--in-process) between the served repeats on a CPU, after them on a GPU."""
+    """The served grid with one synthetic acceptance profile ('' : the model's own): a cluster per mode, all up
+    at once, measured in turn (each batch's rows --repeats times, interleaved, the modes' order reversed every other
+    repeat: load drifts alike for all); in process (--in-process) between the served repeats on a CPU, else after."""
     ks = [int(x) for x in a.ks.split(",")]
     modes = a.speculation.split(",")
     serve_args = ["--device", a.device, "--quantization", a.quantization] + (["--dtype", a.dtype] if a.dtype else [])
@@ -203,8 +200,7 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
     if profile:
         serve_args += ["--synthetic-acceptance", profile]
     clusters = {}                                   # mode -> (process or None, gateway, metrics address)
-    runs: dict[tuple, list[dict]] = {}
-    inproc: dict[tuple, list[dict]] = {}            # (batch, k) -> in-process runs
+    runs, inproc = {}, {}                           # (mode, batch, k) -> served runs; (batch, k) -> in-process runs
     engines = None
     if a.in_process and a.device == "cpu":          # CPU: in process between the served repeats (drift alike)
         from tandem.bench_inprocess import grid_engines, measure
