@@ -3,7 +3,7 @@ of every `tandem bench` (speed: tandem/bench_speed.py, bridge: bench_bridge.py, 
 dsa: bench_dsa.py, overlap: bench_overlap.py,
 profile: bench_profile.py, fp8: bench_fp8.py, fp8-sweep: bench_fp8_sweep.py, steps: bench_steps.py,
 heldout: bench_heldout.py, nextline: bench_nextline.py, prefill: bench_prefill.py,
-prefill-speed: bench_prefill_speed.py).
+prefill-speed: bench_prefill_speed.py, rows: bench_rows.py).
 
 Starts `tandem serve` (or uses --gateway ADDR), sends held-out code prompts with greedy and
 temperature-1 decoding at K = 1..max, and reports vLLM's metrics: mean acceptance length
@@ -196,7 +196,8 @@ BENCHES = {"acceptance": "tandem.bench:acceptance", "speed": "tandem.bench_speed
            "fp8": "tandem.bench_fp8:main", "fp8-sweep": "tandem.bench_fp8_sweep:main",
            "steps": "tandem.bench_steps:main",
            "heldout": "tandem.bench_heldout:main", "nextline": "tandem.bench_nextline:main",
-           "prefill": "tandem.bench_prefill:main", "prefill-speed": "tandem.bench_prefill_speed:main"}
+           "prefill": "tandem.bench_prefill:main", "prefill-speed": "tandem.bench_prefill_speed:main",
+           "rows": "tandem.bench_rows:main"}
 
 
 def main(argv=None) -> int:
