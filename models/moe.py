@@ -67,8 +67,11 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # row of a verify step of the class, where a near-tie between experts could otherwise go the other way.
     n = x.shape[0]
     pad = next((c for c in ROUTER_CLASSES if n <= c), n) if x.is_cuda else n
-    rows = torch.empty(pad, x.shape[1], dtype=torch.float32, device=x.device)       # rows past n: never read
-    rows[:n].copy_(x)
+    if pad == n:
+        rows = x.float()                                 # no copy where x is fp32 already (CPU, prefill)
+    else:
+        rows = torch.empty(pad, x.shape[1], dtype=torch.float32, device=x.device)   # rows past n: never read
+        rows[:n].copy_(x)
     with torch.autocast(x.device.type, enabled=False):
         return F.linear(rows, weight.float())[:n]
 

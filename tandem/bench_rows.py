@@ -42,10 +42,9 @@ def probe(engine, prompt: list[int], drafts: list[int]) -> dict:
     """Row 0 of a 1-row decode vs a (1 + len(drafts))-row verify of the same position -> the differences."""
     from services.sampling import Sampling
     engine.forward = engine.model                                           # eager: hooks fire
-    runs = {}
-    for rid, d in (("rows-decode", []), ("rows-verify", drafts)):
-        engine.prefill([(rid, prompt, Sampling())])
-    for rid, d in (("rows-decode", []), ("rows-verify", drafts)):
+    runs, steps = {}, (("rows-decode", []), ("rows-verify", drafts))
+    engine.prefill([(rid, prompt, Sampling()) for rid, _ in steps])        # one call: both rows alike
+    for rid, d in steps:
         records, hooks = capture(engine.model)
         try:
             engine.verify([(rid, d, None)])
