@@ -8,8 +8,11 @@ fp8 tiles keep BLOCK_K = 128 (the scale block); a gate/up BLOCK_N of 128 quantiz
 one adds a small quantization kernel.
 
 Decode path, up to CLASSES[-1] tokens: 16-row blocks and the tiles of the token's class (1-8, 9-16, 17-32 tokens),
-measured per expert shape (D, I); the bits of a row depend only on the class (a verify of K + 1 <= 8 rows equals
-a decode of one). Batch path beyond: 16- or 64-row blocks by pair count and `batch_tiles`.
+measured per expert shape (D, I). Batch path beyond: 16- or 64-row blocks by pair count and `batch_tiles`. A row's
+bits depend on the block rows (16 and 32: mma.sync, 64: Hopper's wgmma, in fp8) and the down kernel's split, not on
+the column tiles, warps or stages (measured on the H200, BENCHMARKS.md "Lossless at any batch"); every class and
+the batch path's 16-row blocks keep the split at 1, so a decode row equals a verify row at any batch until 64-row
+blocks start (more than 64 pairs an expert on average: prefill).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ DECODE: dict[str, dict[tuple[int, int] | None, dict[int, tuple[Tiles, Tiles]]]] 
                        32: ((64, 128, 4, 4, 1), (64, 128, 4, 4, 1))},
     },
     "fp8": {
-        None: {8: ((128, 128, 8, 4, 1), (64, 128, 4, 4, 2)),
+        None: {8: ((128, 128, 8, 4, 1), (64, 128, 4, 4, 1)),   # down unsplit, as every class (a row's bits)
                16: ((32, 128, 2, 5, 1), (32, 128, 2, 5, 1)),
                32: ((128, 128, 8, 4, 1), (64, 128, 4, 4, 1))},
         (2048, 1408): {8: ((32, 128, 4, 4, 1), (64, 128, 4, 3, 1)),

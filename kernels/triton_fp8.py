@@ -13,8 +13,9 @@ Per call, kernels/triton_fp8_config.py gives the Config (tile, split) for (N, K)
     x_q @ w^T;
   * split > 1: partials go to an fp32 workspace [split, M, N] and `_sum_splits_kernel` adds them in split order
     (deterministic: no atomics);
-  * a CUBLAS class runs torch._scaled_mm on the quantized x instead (large M, where cuBLAS wins).
-A row's bits depend on the config only, and the config on M only through its class (see the config module).
+  * a CUBLAS config runs torch._scaled_mm on the quantized x instead (prefill sizes where it is right).
+A row's bits depend on the config's split and MMA kind only, and those not on M up to 128 rows (see the config
+module).
 Runs compiled on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests).
 """
 from __future__ import annotations

@@ -57,14 +57,14 @@ class DenseMLP(MLP):
         return all_reduce(super().forward(x), self.ps.tp_group, self.ps.tp_size)
 
 
-ROUTER_CLASSES = (16, 32, 64, 128)    # CUDA: a call of n rows runs as the class's row count (prefill beyond: n)
+ROUTER_CLASSES = (128,)    # CUDA: a call of n <= 128 rows runs as 128 rows (one class: any batch; prefill: n)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # x: [N, D], weight: [E, D] -> [N, E] fp32 (DeepSeek routes in fp32, autocast or not). cuBLAS's fp32 GEMM picks
     # its kernel by row count (an H200: one row's sums differ in the last bit from two rows', BENCHMARKS.md
-    # "Lossless"), so on CUDA the rows are computed padded to their class: a decode row routes exactly as the same
-    # row of a verify step of the class, where a near-tie between experts could otherwise go the other way.
+    # "Lossless"), so on CUDA the rows are computed padded to one class: a decode row routes exactly as the same
+    # row of a verify step of any batch, where a near-tie between experts could otherwise go the other way.
     n = x.shape[0]
     pad = next((c for c in ROUTER_CLASSES if n <= c), n) if x.is_cuda else n
     if pad == n:

@@ -18,7 +18,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -127,16 +126,11 @@ def write_results(out: str | Path, name: str, md: str | None, data, plot_fn=None
     print("wrote " + ", ".join(str(p) for p in written))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_cluster(model: str | None, kmax: int, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
     """`tandem serve` on free ports -> (process, gateway gRPC address, gateway HTTP address).
     model None: `extra` names the model (--random-config NAME)."""
-    ports = [_free_port() for _ in range(6)]
+    from infra.ports import free_ports
+    ports = free_ports(6)                      # distinct, and outside the range the OS hands out on port 0
     cmd = [sys.executable, "-m", "tandem", "serve", *(["--model", model] if model else []), "-k", str(kmax),
            "--grpc-port", str(ports[0]), "--target-port", str(ports[1]), "--draft-port", str(ports[2]),
            "--bridge-port", str(ports[3]), "--dist-port", str(ports[4]), "--http-port", str(ports[5]), *extra]

@@ -1,14 +1,15 @@
 """`tandem bench fp8-sweep`: tunes the block-scaled fp8 GEMM (kernels/triton_fp8.py) for decode on this GPU (issue 15).
 
 For each weight shape of V2-Lite and DeepSeek-V3 (SHAPES) and each row count in ROWS: every tile of
-kernels/triton_fp8_config.TILES that suits the row class (CLASS_BLOCK_M), at the K splits that aim at 0 / 1 / 2 / 4
-programs per SM (WAVES), against F.linear in bf16, torch._scaled_mm (its activation quantization included) and the
-fp8 byte floor (weight + scale + activation + output bytes / 4.23 TB/s). A class is searched at one row count
-(SEARCH: 1 row for the class 1..8, the bound for the others); its winner is then timed at the class's other row
-counts. GPU times: CUDA-graph replays (tandem/bench_fp8.device_time) cycling over weight copies that together
+kernels/triton_fp8_config.TILES that suits the row class (CLASS_BLOCK_M), against F.linear in bf16,
+torch._scaled_mm (its activation quantization included) and the fp8 byte floor (weight + scale + activation + output
+bytes / 4.23 TB/s). A class is searched at one row count (SEARCH: 1 row for the class 1..8, the bound for the
+others); its winner is then timed at the class's other row counts. Class 1..8 tries each tile at the K splits that
+aim at 0 / 1 / 2 / 4 programs per SM (WAVES); its winner's split and MMA kind bind the shape's other classes (only
+their tiles of that kind, at that split), so a row keeps its bits from 1 to 128 rows (triton_fp8_config.py). GPU times: CUDA-graph replays (tandem/bench_fp8.device_time) cycling over weight copies that together
 exceed the L2 three times, at most 64 (every weight byte from HBM, as in decode). Every candidate is checked
 against the reference (kernels/fp8.py) before it is timed; each winner's rows are checked bit for bit against a
-call with more rows of the same class (decode vs verify). The tiles are compiled first by parallel processes.
+call with more rows of the same class (decode vs verify), and every class's first row against class 1..8's. The tiles are compiled first by parallel processes.
 
 Writes OUT/fp8_sweep.md (tables), OUT/fp8_sweep.json (every time) and OUT/fp8_config.py: kernels/triton_fp8_config.py
 with the measured TABLE (per-shape winners) and DEFAULTS (per class, the tile and waves closest to the per-shape
@@ -42,7 +43,7 @@ SMALL_SHAPES = [("small", "a", 128, 400), ("small", "b", 64, 256)]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 SMALL_ROWS = (1, 3, 16)
 SEARCH = {8: 1, 16: 16, 32: 32, 64: 64, 128: 128}      # the row count each class is searched at
-CLASS_BLOCK_M = {8: (16,), 16: (16,), 32: (32,), 64: (64,), 128: (64, 128)}
+CLASS_BLOCK_M = {8: (16,), 16: (16,), 32: (32,), 64: (32, 64), 128: (32, 64, 128)}
 WAVES = (0.0, 1.0, 2.0, 4.0)
 L2_BYTES = 50 << 20                     # an H200's L2
 TOL = 5e-2                              # a candidate further from the reference than this is broken, not rounded
@@ -53,10 +54,15 @@ def class_tiles(cls: int, small: bool) -> list[Tile]:
     return tiles[:2] if small else tiles
 
 
-def candidates(N: int, K: int, cls: int, small: bool, sms: int) -> dict[Config, list[float]]:
-    """Every tile of the class at each WAVES' split -> the waves that give it (a split is measured once)."""
+def candidates(N: int, K: int, cls: int, small: bool, sms: int, bound: Config | None = None) -> dict[Config, list]:
+    """Every tile of the class at each WAVES' split -> the waves that give it (a split is measured once); bound
+    (class 1..8's winner): only the tiles of its MMA kind, at its split (waves [])."""
     out: dict[Config, list[float]] = {}
     for tile in class_tiles(cls, small):
+        if bound is not None:
+            if fc.wgmma(tile) == fc.wgmma(bound.tile):
+                out[Config(tile, bound.split)] = []
+            continue
         for waves in (WAVES[:2] if small else WAVES):
             out.setdefault(Config(tile, fc.split_for(N, K, tile, cls, waves, sms)), []).append(waves)
     return out
@@ -115,7 +121,9 @@ def measure_shape(shape, a, sms: int) -> dict:
             row["cublas_us"], _, row["cublas_note"] = try_time(lambda x, w, s: scaled_mm(x, w, s), x, ws, ref, dev)
         if M == SEARCH[cls]:
             row["candidates"] = []
-            for cfg, waves in candidates(N, K, cls, a.small, sms).items():
+            first = res["winners"].get(CLASSES[0], {})
+            bound = winner_config(first) if cls != CLASSES[0] and first.get("kind") == "triton" else None
+            for cfg, waves in candidates(N, K, cls, a.small, sms, bound).items():
                 us, err, note = try_time(lambda x, w, s: fp8_linear_triton(x, w, s, cfg=cfg), x, ws, ref, dev)
                 row["candidates"].append({"tile": list(cfg.tile), "split": cfg.split, "waves": waves, "us": us,
                                           "error": err, "note": note})
@@ -133,13 +141,10 @@ def measure_shape(shape, a, sms: int) -> dict:
 
 
 def pick(row: dict, cls: int) -> dict:
-    """The fastest candidate at the search rows; cuBLAS above 16 rows where it beats it; kind 'none' where
-    everything failed (the shape keeps the default rule for that class)."""
+    """The fastest candidate at the search rows; kind 'none' where everything failed (the shape keeps the default
+    rule for that class). Never cuBLAS: its rows change bits with the row count."""
     ok = [c for c in row["candidates"] if c["us"] is not None]
     best = min(ok, key=lambda c: c["us"]) if ok else None
-    cublas = row.get("cublas_us")
-    if cls > 16 and cublas is not None and (best is None or cublas < best["us"]):
-        return {"kind": "cublas", "us": cublas}
     if best is None:
         return {"kind": "none", "us": None}
     return {"kind": "triton", "tile": best["tile"], "split": best["split"], "waves": best["waves"], "us": best["us"]}
@@ -157,11 +162,17 @@ def bf16_times(res: dict, N: int, K: int, dev: str, dt) -> None:
 
 
 def check_rows(res: dict, w, K: int, dev: str, dt) -> None:
+    """Each winner's rows within its class, and every winner's first row against class 1..8's (one row)."""
     from kernels.triton_fp8 import fp8_linear_triton
-    for cls, win in res["winners"].items():
+    x = torch.randn(CLASSES[-1], K, device=dev).to(dt)
+    one = None
+    for cls, win in sorted(res["winners"].items()):
         if win["kind"] == "triton":
             cfg = winner_config(win)
             win["rows_agree"] = rows_agree(lambda x: fp8_linear_triton(x, *w, cfg=cfg), K, cls, dev, dt)
+            row = fp8_linear_triton(x[:cls], *w, cfg=cfg)[:1]
+            one = row if one is None else one
+            win["rows_across"] = torch.equal(row, one)
 
 
 def _compile(tile: tuple, split: int) -> tuple[tuple, int, float, str]:

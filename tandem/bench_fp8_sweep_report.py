@@ -63,18 +63,20 @@ def best_per_tile(res: dict, cls: int) -> dict[tuple, dict]:
 
 def fit_defaults(results: list[dict]) -> dict[int, tuple[Tile, float, float]]:
     """Per class, the (tile, waves) whose times over every measured shape are closest to each shape's best
-    (geometric mean of the ratios), with that mean: the rule for shapes that TABLE does not list."""
+    (geometric mean of the ratios), with that mean: the rule for shapes that TABLE does not list. Classes above 1..8
+    choose among the tiles of class 1..8's MMA kind (over the shapes of that kind; their split is class 1..8's)."""
     fitted = {}
     for cls in CLASSES:
         ratios: dict[tuple, list[float]] = {}
         shapes = 0
+        kind = fc.wgmma(fitted[CLASSES[0]][0]) if cls != CLASSES[0] and CLASSES[0] in fitted else None
         for res in results:
-            cands = searched(res, cls)
+            cands = [c for c in searched(res, cls) if kind is None or fc.wgmma(Tile(*c["tile"])) == kind]
             if cands:
                 shapes += 1
                 best = min(c["us"] for c in cands)
                 for c in cands:
-                    for waves in c["waves"]:
+                    for waves in c["waves"] or [0.0]:             # bound classes: class 1..8's split
                         ratios.setdefault((tuple(c["tile"]), waves), []).append(math.log(c["us"] / best))
         full = {k: sum(v) / len(v) for k, v in ratios.items() if len(v) == shapes}
         if full:
@@ -93,7 +95,7 @@ def measured_block(head: dict, results: list[dict], fitted: dict) -> str:
     lines = [f"{BEGIN} the block below is written by tandem/bench_fp8_sweep.py (.gpu/fp8_sweep.sh on an H200) ---",
              f"# {head['device']}, {head['date']}, {head['sms']} SMs: `tandem bench fp8-sweep`, classes searched at "
              "1 / 16 / 32 / 64 / 128 rows",
-             "# class -> (tile, programs per SM that the split aims at; 0: no split): the rule for shapes not in TABLE",
+             "# class -> (tile, programs per SM its split aims at; 0: none; classes 16..128 take class 8's): the rule off TABLE",
              "DEFAULTS: dict[int, tuple[Tile, float]] = {"]
     for cls in (*CLASSES, LARGE):
         tile, waves = fc.DEFAULTS[cls]
@@ -162,6 +164,8 @@ def write(out: str, head: dict, results: list[dict], final: bool = True) -> None
     module = config_module(head, results, fitted)
     agree = [(res["shape"][1], cls, win.get("rows_agree")) for res in results for cls, win in res["winners"].items()
              if win["kind"] == "triton"]
+    across = [(res["shape"][1], cls, win.get("rows_across")) for res in results
+              for cls, win in res["winners"].items() if win["kind"] == "triton"]
     md = [f"# fp8 GEMM sweep: {head['device']}, {head['date']}", "",
           f"{head['sms']} SMs; copy bandwidth {fmt(head.get('copy_tb_s'), '.2f')} TB/s (floor: 4.23 TB/s); "
           f"{len(head.get('compiles', []))} variants compiled in {fmt(head.get('compile_s'), '.0f')} s "
@@ -169,7 +173,9 @@ def write(out: str, head: dict, results: list[dict], final: bool = True) -> None
           f"sweep {head['seconds']:.0f} s; {len(results)} shapes (failed: {head.get('failed_shapes', [])}).", "",
           f"Rows bit-identical within their class (decode vs verify) for every Triton winner: "
           f"{all(a for *_, a in agree)} ({sum(1 for *_, a in agree if a)}/{len(agree)}; failing: "
-          f"{[x[:2] for x in agree if not x[2]]}).", "", "## Winners", "", ROW_HEAD]
+          f"{[x[:2] for x in agree if not x[2]]}); every class's first row equal to class 1..8's (one MMA kind and "
+          f"one split a shape): {all(a for *_, a in across)} ({sum(1 for *_, a in across if a)}/{len(across)}; "
+          f"failing: {[x[:2] for x in across if not x[2]]}).", "", "## Winners", "", ROW_HEAD]
     md += [shape_lines(res) for res in results]
     md += ["", "## One layer of each kind: sum of GEMM times", "",
            "| model | rows | fp8 us | bf16 us | floor us | fp8 / bf16 |", "|---|---|---|---|---|---|", *sums(results)]

@@ -31,9 +31,7 @@ This is a helper, not a test file.
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,32 +44,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infra import tls as tls_mod
 from infra.grpc_server import channel_options
+from infra.ports import free_ports  # noqa: F401 (the tests take it from here)
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2_grpc, rows_pb2, target_pb2, target_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-PORT_RANGE = (20000, 29000)        # below the ephemeral range (32768-60999) and the defaults (29650-29670)
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (held open together, so they differ), below the ephemeral range:
-    before a service binds one, the OS may give an ephemeral port to any socket on port 0 (gloo, gRPC clients)."""
-    socks = []
-    try:
-        while len(socks) < n:
-            s = socket.socket()
-            try:
-                s.bind(("127.0.0.1", random.randrange(*PORT_RANGE)))
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass

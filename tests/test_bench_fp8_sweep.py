@@ -25,6 +25,7 @@ def test_fp8_sweep_writes_tables_and_a_config_module_that_loads(tmp_path):
     data = json.loads((tmp_path / "fp8_sweep.json").read_text())
     md = (tmp_path / "fp8_sweep.md").read_text()
     assert "## Winners" in md and "Rows bit-identical within their class" in md and "True (4/4" in md
+    assert "one MMA kind and one split a shape): True (4/4" in md
     spec = importlib.util.spec_from_file_location("fp8_config_swept", tmp_path / "fp8_config.py")
     swept = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(swept)
@@ -32,9 +33,14 @@ def test_fp8_sweep_writes_tables_and_a_config_module_that_loads(tmp_path):
     for res in data["results"]:
         N, K = res["shape"][2:]
         assert set(res["rows"]) == {"1", "3", "16"} and all(r["fp8_us"] > 0 for r in res["rows"].values())
+        first = res["winners"]["8"]
         for cls, win in res["winners"].items():
             searched = res["rows"]["1" if cls == "8" else "16"]["candidates"]
-            assert win["kind"] == "triton" and win["rows_agree"] and len(searched) >= 3
+            assert win["kind"] == "triton" and win["rows_agree"] and win["rows_across"]
+            assert len(searched) >= (3 if cls == "8" else 1)
+            if cls != "8":                                  # bound by class 1..8: its MMA kind, its split
+                assert all(c["split"] == first["split"] and fcfg.wgmma(fcfg.Tile(*c["tile"])) ==
+                           fcfg.wgmma(fcfg.Tile(*first["tile"])) for c in searched), searched
             assert win["us"] == min(c["us"] for c in searched)              # the fastest candidate won
             cfg = swept.TABLE[(N, K)][int(cls)]
             assert list(cfg.tile) == win["tile"] and cfg.split == win["split"]

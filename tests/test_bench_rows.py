@@ -1,24 +1,39 @@
 """`tandem bench rows` on CPU: the probe's hooks, its comparison and its report; a verify of one row (no drafts)
-against the decode must find no difference (the probe itself is deterministic)."""
+against the decode must find no difference (the probe itself is deterministic), one request or several."""
 import json
 
+import torch
+
 from tandem.bench import main as bench_main
+from tandem.bench_rows import compare
 
 
-def test_bench_rows_reports_each_quantization(tmp_path):
+def test_bench_rows_reports_each_quantization_and_batch(tmp_path):
     out = tmp_path / "out"
     assert bench_main(["rows", "--device", "cpu", "--random-config", "tiny", "--quantization", "none,fp8",
-                       "--drafts", "3", "--out", str(out)]) == 0
+                       "--drafts", "3", "--batches", "1,3", "--out", str(out)]) == 0
     r = json.loads((out / "rows.json").read_text())
-    assert [x["quantization"] for x in r["runs"]] == ["none", "fp8"]
+    assert [(x["quantization"], x["batch"]) for x in r["runs"]] == [("none", 1), ("none", 3), ("fp8", 1), ("fp8", 3)]
     for run in r["runs"]:
         assert run["rows"] == 4 and run["compared"] > 20
-        assert all(d["module"] and (d["max_abs_diff"] is None or d["max_abs_diff"] > 0) for d in run["differ"]), run
-    assert "| none | 4 |" in (out / "rows.md").read_text()
+        for d in run["differ"]:
+            assert d["module"] and (d["max_abs_diff"] is None or d["max_abs_diff"] > 0), d
+            assert 1 <= d["rows_differ"] <= run["batch"], d
+    assert "| none | 3 | 4 |" in (out / "rows.md").read_text()
 
 
 def test_bench_rows_one_row_against_one_row_is_identical(tmp_path):
-    assert bench_main(["rows", "--device", "cpu", "--random-config", "tiny", "--drafts", "0",
+    assert bench_main(["rows", "--device", "cpu", "--random-config", "tiny", "--drafts", "0", "--batches", "1,3",
                        "--out", str(tmp_path)]) == 0
-    run = json.loads((tmp_path / "rows.json").read_text())["runs"][0]
-    assert run["rows"] == 1 and run["compared"] > 20 and run["differ"] == [], run["differ"][:3]
+    for run in json.loads((tmp_path / "rows.json").read_text())["runs"]:
+        assert run["rows"] == 1 and run["compared"] > 20 and run["differ"] == [], run["differ"][:3]
+
+
+def test_compare_takes_each_requests_first_verify_row():
+    decode = torch.arange(6.0).view(3, 2)                                 # 3 requests, a row each
+    verify = torch.zeros(6, 2)                                            # 3 requests x 2 rows
+    verify[::2] = decode
+    assert compare([("m", decode)], [("m", verify)], 3, 2) == []
+    verify[2, 1] += 1                                                     # request 1's first row
+    assert compare([("m", decode)], [("m", verify)], 3, 2) == [{"module": "m", "max_abs_diff": 1.0, "rows_differ": 1}]
+    assert compare([("grouped", torch.zeros(5, 2))], [("grouped", torch.ones(7, 2))], 3, 2) == []   # not a row a token

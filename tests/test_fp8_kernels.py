@@ -206,8 +206,9 @@ def test_dispatch_runs_the_reference_on_cpu_and_without_triton(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or INTERP, reason=NO_CUDA)
-@pytest.mark.parametrize("M", [1, 32, 128, 300])                          # 300: cuBLAS where N, K fit it
-@pytest.mark.parametrize("N,K", [(2048, 7168), (7168, 2048), (576, 7168), (24576, 1536)])
+@pytest.mark.parametrize("M", [1, 32, 128, 130, 300])                # 300: cuBLAS where it fits; 130: never
+@pytest.mark.parametrize("N,K", [(2048, 7168), (7168, 2048), (576, 7168), (24576, 1536), (256, 256), (512, 128),
+                                 (2048, 1408)])
 def test_fp8_gemm_deepseek_shapes_on_cuda(M, N, K):
     _, q, s = quantized(N, K, seed=N)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).bfloat16()
@@ -215,19 +216,31 @@ def test_fp8_gemm_deepseek_shapes_on_cuda(M, N, K):
     assert rel(out, fp8.fp8_linear(x.float(), q, s)) <= TOL["cuda"]
 
 
+def test_fp8_every_decode_class_of_a_shape_keeps_a_rows_bits():
+    """What sets a row's bits on the H200 is the split and the MMA kind (BENCHMARKS.md "Lossless at any batch"):
+    every decode class of each measured shape and of the rule shares both, and none is cuBLAS."""
+    shapes = [*fcfg.TABLE, (1000, 3000), (512, 4096), (7168, 512), (129, 7168)]
+    assert [shape for shape in shapes if not fcfg.invariant(*shape)] == []
+    assert len({fcfg.wgmma(t) for c, (t, _) in fcfg.DEFAULTS.items() if c != fcfg.LARGE}) == 1
+    assert not any(fcfg.cublas_fits(*s) for s in ((256, 256), (512, 128), (2048, 1408), (2048, 2048, 130)))
+    assert fcfg.cublas_fits(2048, 7168, 300) and fcfg.lookup(2048, 7168, 129) is not fcfg.CUBLAS
+    assert fcfg.wgmma(fcfg.Tile(16, 64, 1, False, True, 4, 6)) and not fcfg.wgmma(fcfg.Tile(16, 64, 1, False, False, 4, 6))
+    assert not fcfg.wgmma(fcfg.Tile(16, 64, 1, False, True, 2, 6)) and fcfg.wgmma(fcfg.Tile(64, 32, 1, False, False, 4, 4))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or INTERP, reason=NO_CUDA)
-@pytest.mark.parametrize("N,K", [(2048, 7168), (576, 7168), (1536, 7168), (3072, 2048), (2048, 10944)])
+@pytest.mark.parametrize("N,K", [(2048, 7168), (576, 7168), (1536, 7168), (3072, 2048), (2048, 10944), (576, 2048),
+                                 (2048, 2048), (7168, 16384)])
 def test_fp8_rows_do_not_depend_on_their_neighbours_on_cuda(N, K):
-    """Decode (1 row) and verify (K + 1 rows) give a request's row the same bits with the shape's own config
-    (TABLE or the rule): K = 3 equals K = 0 in fp8. Classes 1..8 and 9..16."""
+    """Decode (B rows) and verify (B (K + 1) rows) give a request's row the same bits with the shape's own
+    configs (TABLE or the rule) from 1 to 128 rows: K = 3 equals K = 0 in fp8 at any batch up to 128 rows."""
     _, q, s = quantized(N, K, seed=9)
     q, s = q.cuda(), s.cuda()
-    x = torch.randn(16, K, device="cuda").bfloat16()
-    full = fp8_linear_triton(x[:8], q, s)
-    for m in range(1, 8):
+    x = torch.randn(128, K, device="cuda").bfloat16()
+    full = fp8_linear_triton(x, q, s)
+    for m in (1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100):
         assert torch.equal(fp8_linear_triton(x[:m], q, s), full[:m]), m
-    assert torch.equal(fp8_linear_triton(x[:9], q, s), fp8_linear_triton(x, q, s)[:9])
 
 
 # --- compiled for sm_90 without a GPU -------------------------------------------------------------------------
