@@ -42,7 +42,7 @@ expected committed tokens per second.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gateway.request import GenRequest
 from gateway.spec_costs import CostModel, bucket

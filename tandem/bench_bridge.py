@@ -87,10 +87,11 @@ def _worker(rank: int, cfg: dict, barrier, results) -> None:
 
 def run(device: str, batches: list[int], k: int, hidden: int, dtype: str, warmup: int, iters: int) -> list[dict]:
     import multiprocessing as mp
-    from tandem.bench import _free_port
+    from infra.ports import free_ports
     ctx = mp.get_context("spawn")
+    port, port2 = free_ports(2)
     cfg = dict(device=device, batches=batches, k=k, hidden=hidden, dtype=dtype, warmup=warmup, iters=iters,
-               addr=f"127.0.0.1:{_free_port()}", port2=_free_port())
+               addr=f"127.0.0.1:{port}", port2=port2)
     barrier, results = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, cfg, barrier, results), daemon=True) for r in (0, 1)]
     for p in procs:
