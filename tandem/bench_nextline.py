@@ -42,8 +42,13 @@ metadata:
 """
 
 
-def nextline_docs(model: Path, n: int, prompt_chars: int, seed: int, root: Path | None = None) -> list[dict]:
-    """n (prompt ending in "\\n", next line) pairs from the held-out files listed in model/heldout_files.json."""
+def nextline_docs(model: Path, n: int, prompt_chars: int, seed: int, root: Path | None = None,
+                  max_prompt_tokens: int = 0) -> list[dict]:
+    """n (prompt ending in "\\n", next line) pairs from the held-out files listed in model/heldout_files.json;
+    max_prompt_tokens > 0: whole leading lines dropped until the prompt has at most that many tokens (the model's
+    context less the answer's room: one prompt over it would fail the whole lm-eval run)."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(model / "tokenizer.json")) if max_prompt_tokens else None
     root = root or Path(os.__file__).parent
     names = json.loads((model / "heldout_files.json").read_text())["files"]
     texts = [(root / f).read_text(errors="ignore") for f in names if (root / f).exists()]
@@ -61,14 +66,19 @@ def nextline_docs(model: Path, n: int, prompt_chars: int, seed: int, root: Path 
         prompt, j = "", i
         while j > 0 and len(lines[j - 1]) + len(prompt) <= prompt_chars:
             prompt, j = lines[j - 1] + prompt, j - 1
+        while tok is not None and prompt and len(tok.encode(prompt).ids) > max_prompt_tokens:
+            prompt = prompt[prompt.find("\n") + 1:] if "\n" in prompt else ""
         if prompt:
             docs.append({"prompt": prompt, "answer": nxt})
     return docs
 
 
-def run_lm_eval(base_url: str, model_name: str, task_dir: Path, out: Path, concurrency: int) -> dict:
+def run_lm_eval(base_url: str, model_name: str, task_dir: Path, out: Path, concurrency: int, docs: int) -> dict:
+    # lm-eval's timeout runs from when a request is queued behind the others (aiohttp's connection pool), so it
+    # must cover the whole run: 60 s a doc (a CPU with long prompts) and never less than 10 minutes
     args = ",".join([f"base_url={base_url}/v1/completions", f"model={model_name}", "tokenizer_backend=remote",
-                     "tokenized_requests=False", f"num_concurrent={concurrency}", "max_retries=1", "timeout=300"])
+                     "tokenized_requests=False", f"num_concurrent={concurrency}", "max_retries=1",
+                     f"timeout={max(600, 60 * docs)}"])
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args, "--tasks",
            "tandem_nextline", "--include_path", str(task_dir), "--output_path", str(out / "lm_eval"), "--log_samples"]
@@ -96,7 +106,9 @@ def main(argv=None) -> int:
     a, extra = p.parse_known_args(argv)
     model, out = Path(a.model or default_model()), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    docs = nextline_docs(model, a.docs, a.prompt_chars, a.seed, Path(a.corpus) if a.corpus else None)
+    context = json.loads((model / "config.json").read_text()).get("max_position_embeddings", 2048)
+    docs = nextline_docs(model, a.docs, a.prompt_chars, a.seed, Path(a.corpus) if a.corpus else None,
+                         max_prompt_tokens=context - a.max_tokens - 16)      # 16: the drafts' headroom and more
     data = (out / "nextline.jsonl").resolve()
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
     (out / "tandem_nextline.yaml").write_text(TASK.format(data=data, max_tokens=a.max_tokens))
@@ -106,7 +118,7 @@ def main(argv=None) -> int:
         base = f"http://{http}"
     try:
         t0 = time.time()
-        res = run_lm_eval(base, model.name, out, out, a.concurrency)
+        res = run_lm_eval(base, model.name, out, out, a.concurrency, len(docs))
     finally:
         stop_cluster(proc)
     em = res["results"]["tandem_nextline"]["exact_match,none"]
