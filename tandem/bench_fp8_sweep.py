@@ -1,15 +1,17 @@
 """`tandem bench fp8-sweep`: tunes the block-scaled fp8 GEMM (kernels/triton_fp8.py) for decode on this GPU (issue 15).
 
 For each weight shape of V2-Lite and DeepSeek-V3 (SHAPES) and each row count in ROWS: every tile of
-kernels/triton_fp8_config.TILES that suits the row class (CLASS_BLOCK_M), against F.linear in bf16,
-torch._scaled_mm (its activation quantization included) and the fp8 byte floor (weight + scale + activation + output
-bytes / 4.23 TB/s). A class is searched at one row count (SEARCH: 1 row for the class 1..8, the bound for the
-others); its winner is then timed at the class's other row counts. Class 1..8 tries each tile at the K splits that
-aim at 0 / 1 / 2 / 4 programs per SM (WAVES); its winner's split and MMA kind bind the shape's other classes (only
-their tiles of that kind, at that split), so a row keeps its bits from 1 to 128 rows (triton_fp8_config.py). GPU times: CUDA-graph replays (tandem/bench_fp8.device_time) cycling over weight copies that together
-exceed the L2 three times, at most 64 (every weight byte from HBM, as in decode). Every candidate is checked
-against the reference (kernels/fp8.py) before it is timed; each winner's rows are checked bit for bit against a
-call with more rows of the same class (decode vs verify), and every class's first row against class 1..8's. The tiles are compiled first by parallel processes.
+kernels/triton_fp8_config.TILES that suits the row class (CLASS_BLOCK_M), against F.linear in bf16, torch._scaled_mm
+(its activation quantization included) and the fp8 byte floor (weight + scale + activation + output bytes / 4.23
+TB/s). A class is searched at one row count (SEARCH: 1 row for the class 1..8, the bound for the others); its winner
+is then timed at the class's other row counts. Class 1..8 tries each tile at the K splits that aim at 0 / 1 / 2 / 4
+programs per SM (WAVES); its winner's split and MMA kind bind the shape's other classes (only their tiles of that
+kind, at that split), so a row keeps its bits from 1 to 128 rows (triton_fp8_config.py). GPU times: CUDA-graph
+replays (tandem/bench_fp8.device_time) cycling over weight copies that together exceed the L2 three times, at most
+64 (every weight byte from HBM, as in decode). Every candidate is checked against the reference (kernels/fp8.py)
+before it is timed; each winner's rows are checked bit for bit against a call with more rows of the same class
+(decode vs verify), and every class's first row against class 1..8's. The tiles are compiled first by parallel
+processes.
 
 Writes OUT/fp8_sweep.md (tables), OUT/fp8_sweep.json (every time) and OUT/fp8_config.py: kernels/triton_fp8_config.py
 with the measured TABLE (per-shape winners) and DEFAULTS (per class, the tile and waves closest to the per-shape

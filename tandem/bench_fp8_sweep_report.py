@@ -95,7 +95,8 @@ def measured_block(head: dict, results: list[dict], fitted: dict) -> str:
     lines = [f"{BEGIN} the block below is written by tandem/bench_fp8_sweep.py (.gpu/fp8_sweep.sh on an H200) ---",
              f"# {head['device']}, {head['date']}, {head['sms']} SMs: `tandem bench fp8-sweep`, classes searched at "
              "1 / 16 / 32 / 64 / 128 rows",
-             "# class -> (tile, programs per SM its split aims at; 0: none; classes 16..128 take class 8's): the rule off TABLE",
+             "# class -> (tile, programs per SM its split aims at; 0: none; classes 16..128 take class 8's): "
+             "the rule off TABLE",
              "DEFAULTS: dict[int, tuple[Tile, float]] = {"]
     for cls in (*CLASSES, LARGE):
         tile, waves = fc.DEFAULTS[cls]

@@ -3,12 +3,13 @@ speculation needs the target to give a position the same logits in a verify step
 (one row); an op whose arithmetic changes with the row count (cuBLAS's fp32 GEMV, a kernel tuned per row count)
 breaks that at near-ties.
 
-B pairs of requests, the two of a pair with the same prompt, all prefilled in one call; one decode step of the
-B first ones (B rows) and one verify of the B second ones (the same first tokens, then K drafts each: B (K + 1)
-rows) run eagerly with forward hooks on every module down to DEPTH; each request's decode row is compared bit for
-bit with the first row of its verify (a batch-invariance probe when B > 1). Reports the modules that differ (in call order, with the largest
-difference) and the final logits. Eager, so graph-only effects are not seen (`tandem bench fp8 --parts v2lite`
-checks K = 3 against K = 0 outputs with graphs). On CUDA the MLA attention is the Triton kernel, as in graphs.
+B pairs of requests, the two of a pair with the same prompt, all prefilled in one call; one decode step of the B
+first ones (B rows) and one verify of the B second ones (the same first tokens, then K drafts each: B (K + 1) rows)
+run eagerly with forward hooks on every module down to DEPTH; each request's decode row is compared bit for bit with
+the first row of its verify (a batch-invariance probe when B > 1). Reports the modules that differ (in call order,
+with the largest difference) and the final logits. Eager, so graph-only effects are not seen (`tandem bench fp8
+--parts v2lite` checks K = 3 against K = 0 outputs with graphs). On CUDA the MLA attention is the Triton kernel, as
+in graphs.
 
     tandem bench rows --device cuda --random-config v2-lite --quantization none,fp8 --batches 1,4,32
 """

@@ -224,8 +224,9 @@ def test_fp8_every_decode_class_of_a_shape_keeps_a_rows_bits():
     assert len({fcfg.wgmma(t) for c, (t, _) in fcfg.DEFAULTS.items() if c != fcfg.LARGE}) == 1
     assert not any(fcfg.cublas_fits(*s) for s in ((256, 256), (512, 128), (2048, 1408), (2048, 2048, 130)))
     assert fcfg.cublas_fits(2048, 7168, 300) and fcfg.lookup(2048, 7168, 129) is not fcfg.CUBLAS
-    assert fcfg.wgmma(fcfg.Tile(16, 64, 1, False, True, 4, 6)) and not fcfg.wgmma(fcfg.Tile(16, 64, 1, False, False, 4, 6))
-    assert not fcfg.wgmma(fcfg.Tile(16, 64, 1, False, True, 2, 6)) and fcfg.wgmma(fcfg.Tile(64, 32, 1, False, False, 4, 4))
+    T = fcfg.Tile
+    assert fcfg.wgmma(T(16, 64, 1, False, True, 4, 6)) and not fcfg.wgmma(T(16, 64, 1, False, False, 4, 6))
+    assert not fcfg.wgmma(T(16, 64, 1, False, True, 2, 6)) and fcfg.wgmma(T(64, 32, 1, False, False, 4, 4))
 
 
 @pytest.mark.gpu
