@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_dot import dot, dot_precision
-from kernels.triton_mla import LOG2E, _sms, combine_splits, num_splits, paged_softmax_step
+from kernels.triton_mla import LOG2E, SPLIT_TILES_MIN, combine_splits, num_splits, paged_softmax_step
 
 
 # --- indexer scores -----------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def sparse_mla_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor
     """q_lat [N, h, R], q_pe [N, h, P], ckv [blocks, block_size, R], kpe [blocks, block_size, P],
     block_tables [B, max_blocks] int32, token_request [N] int32, indices [N, k] int32 (key positions of
     the row's request, -1: none) -> [N, h, R], as kernels.dsa.sparse_mla. `out` may be a static buffer;
-    splits (of the index list) default to ~2 waves of programs over the GPU."""
+    splits (of the index list) default to a cut that depends on k alone (triton_mla.num_splits)."""
     N, H, R = q_lat.shape
     P, K = q_pe.shape[-1], indices.shape[-1]
     assert ckv.stride(-1) == 1 and kpe.stride(-1) == 1 and q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1
@@ -174,9 +174,9 @@ def sparse_mla_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor
     block_r = triton.next_power_of_2(R)
     block_n = block_n or max(16, min(64, 65536 // (block_r * q_lat.element_size())))   # key tile <= 64 KB
     block_h = 16 if H <= 16 or block_r * q_lat.element_size() > 1024 else 32
-    if splits is None:
-        splits = num_splits(N, H, block_h, K, block_n, _sms(q_lat.device))
-    per_split = triton.cdiv(triton.cdiv(K, block_n), splits)                      # index tiles per split
+    per_min = 1 if splits else SPLIT_TILES_MIN       # the list's cut from K alone (triton_mla.num_splits)
+    splits = splits or num_splits(K, block_n)
+    per_split = max(triton.cdiv(triton.cdiv(K, block_n), splits), per_min)         # index tiles per split
     ws = torch.empty(N * splits * H * block_r if splits > 1 else 1, dtype=torch.float32, device=q_lat.device)
     ml = torch.empty(N * splits * H * 2 if splits > 1 else 1, dtype=torch.float32, device=q_lat.device)
     grid = (N, triton.cdiv(H, block_h), splits)

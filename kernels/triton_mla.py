@@ -15,7 +15,6 @@ Runs compiled on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -65,8 +64,8 @@ def _mla_kernel(ql_ptr, qp_ptr, ckv_ptr, kpe_ptr, bt_ptr, req_ptr, pos_ptr, clen
                 s_qln, s_qlh, s_qpn, s_qph, s_cb, s_cs, s_kb, s_ks, s_bt, s_on, s_oh,
                 H, R, P, block_size, scale_log2,
                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                SPLITS: tl.constexpr, KV_TILES: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
-                PRECISION: tl.constexpr):
+                SPLITS: tl.constexpr, PER_MIN: tl.constexpr, KV_TILES: tl.constexpr,
+                DYNAMIC_LOOP: tl.constexpr, PRECISION: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -76,7 +75,7 @@ def _mla_kernel(ql_ptr, qp_ptr, ckv_ptr, kpe_ptr, bt_ptr, req_ptr, pos_ptr, clen
     rm, pm = r < R, p < P
     b = tl.load(req_ptr + n).to(tl.int64)
     kv_len = tl.minimum(tl.load(pos_ptr + n).to(tl.int32) + 1, tl.load(clen_ptr + b))
-    per = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), SPLITS)                               # key tiles per split
+    per = tl.maximum(tl.cdiv(tl.cdiv(kv_len, BLOCK_N), SPLITS), PER_MIN)          # key tiles per split
     t0 = split * per
     t1 = tl.minimum(t0 + per, tl.cdiv(kv_len, BLOCK_N))
     lo, hi = t0 * BLOCK_N, tl.minimum(t1 * BLOCK_N, kv_len)                       # this split's keys
@@ -141,17 +140,17 @@ def _combine_kernel(ws_ptr, ml_ptr, out_ptr, s_on, s_oh, H, R,
     tl.store(out_ptr + n * s_on + heads[:, None] * s_oh + r[None, :], out.to(out_ptr.dtype.element_ty), mask=omask)
 
 
-@functools.lru_cache(maxsize=None)
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+SPLITS_MAX, SPLIT_TILES_MIN = 32, 4     # a row's keys: at most 32 splits, each at least 4 key tiles
 
 
-def num_splits(rows: int, heads: int, block_h: int, max_context: int, block_n: int, sms: int = 132) -> int:
-    """Key splits per (row, head block): enough programs for ~2 waves over the GPU's SMs, at least two
-    key tiles per split. From shapes only (fixed for a captured graph)."""
-    programs = rows * triton.cdiv(heads, block_h)
-    want = triton.cdiv(2 * sms, programs)
-    return max(1, min(64, want, triton.cdiv(max_context, 2 * block_n)))
+def num_splits(max_context: int, block_n: int) -> int:
+    """The grid's key splits per (row, head block): enough for every row of up to max_context keys.
+
+    A row of L keys (L / block_n tiles) is cut into splits of max(cdiv(tiles, SPLITS_MAX), SPLIT_TILES_MIN)
+    tiles: from L alone, never from the batch, so a row gets the same bits in a decode of one row and in a
+    verify of 128 (fp32 partial sums merged in another grouping differ in the last bits, and a greedy near-tie
+    could then go the other way: BENCHMARKS.md "Lossless at any batch"). Splits past a row's keys exit."""
+    return max(1, min(SPLITS_MAX, triton.cdiv(triton.cdiv(max_context, block_n), SPLIT_TILES_MIN)))
 
 
 def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
@@ -177,8 +176,8 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Ten
     block_r = triton.next_power_of_2(R)
     block_n = block_n or max(16, min(64, 65536 // (block_r * q_lat.element_size())))   # key tile <= 64 KB
     block_h = 16 if H <= 16 or block_r * q_lat.element_size() > 1024 else 32
-    if splits is None:
-        splits = num_splits(N, H, block_h, max_context, block_n, _sms(q_lat.device))
+    per_min = 1 if splits else SPLIT_TILES_MIN     # splits given: the old rule (tests); else num_splits's
+    splits = splits or num_splits(max_context, block_n)
     ws = torch.empty(N * splits * H * block_r if splits > 1 else 1, dtype=torch.float32, device=q_lat.device)
     ml = torch.empty(N * splits * H * 2 if splits > 1 else 1, dtype=torch.float32, device=q_lat.device)
     grid = (N, triton.cdiv(H, block_h), splits)
@@ -187,7 +186,7 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Ten
                       ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0), out.stride(0),
                       out.stride(1), H, R, P, block_size, scale * LOG2E,
                       BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(P)),
-                      SPLITS=splits, KV_TILES=0 if q_lat.is_cuda else triton.cdiv(max_context, block_n),
+                      SPLITS=splits, PER_MIN=per_min, KV_TILES=0 if q_lat.is_cuda else triton.cdiv(max_context, block_n),
                       DYNAMIC_LOOP=q_lat.is_cuda, PRECISION=dot_precision(q_lat),
                       num_warps=num_warps or (8 if block_r >= 256 else 4), num_stages=2)
     if splits > 1:
