@@ -190,6 +190,17 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, fac
     return _ref_norm.rotary(x, positions, inv_freq, factor, interleave)
 
 
+ROUTER_ROWS = 512      # Triton's router logits up to here (a verify of 64 requests x 5 rows); above: cuBLAS
+
+
+def router_logits(x: torch.Tensor, w: torch.Tensor):
+    """x [N, D] . w [E, D] -> [N, E] fp32, each row's bits its own, in Triton for N <= ROUTER_ROWS (decode and
+    verify steps; long prefills keep cuBLAS); None: the caller's reference."""
+    if x.shape[0] <= ROUTER_ROWS and use_triton(x) and _inference(x, w):
+        return importlib.import_module("kernels.triton_router").logits(x, w)
+    return None
+
+
 def route(logits: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] fp32 -> (weights [N, k] fp32, expert ids [N, k]) (kernels/router.py), one launch in
     Triton where the shapes allow it."""

@@ -1,4 +1,11 @@
-"""DeepSeek's expert choice (kernels/router.py) in one Triton launch: one program per token over its E
+"""The router in Triton: its logits, and DeepSeek's expert choice (kernels/router.py), a launch each.
+
+`logits`: x [N, D] . w [E, D] in fp32 (DeepSeek routes in fp32), each row's sums in one fixed order whatever N
+is, so a token routes the same alone (decode) and among 128 rows (verify): cuBLAS's fp32 GEMM picks its kernel
+by row count and then changes a row's last bits (BENCHMARKS.md "Lossless"), and padding every call to 128 rows
+cost 13 us a layer at V2-Lite's shape and 32 us at V3's against ~6 us unpadded.
+
+`select`: one program per token over its E
 logits (E and the group size powers of two; dispatch falls back to the reference otherwise). Eager, the
 choice is a dozen small kernels a layer (sigmoid, bias add, two top-k, gather, sum, divide, scale, ...).
 Top-k by repeated argmax: the same picks as torch.topk, best first (ties, which random fp32 scores do not
@@ -55,6 +62,41 @@ def _route_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, s_l, scale, E: tl.constexp
             ws = ws / (tl.sum(ws, 0) + 1e-20)
     tl.store(w_ptr + n * TOP_K + k, ws * scale, mask=k < TOP_K)
     tl.store(id_ptr + n * TOP_K + k, ids, mask=k < TOP_K)
+
+
+@triton.jit
+def _logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, s_x, s_w, s_o,
+                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    # one program: BLOCK_M rows x BLOCK_E experts, D in BLOCK_D steps; fp32 products summed per step, no MMA
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ex = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    d = tl.arange(0, BLOCK_D)
+    rm, em = rows < N, ex < E
+    acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dm = d0 + d < D
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * s_x + d0 + d[None, :], mask=rm[:, None] & dm[None, :],
+                    other=0.0).to(tl.float32)                                   # [BM, BD]
+        w = tl.load(w_ptr + ex[:, None] * s_w + d0 + d[None, :], mask=em[:, None] & dm[None, :],
+                    other=0.0).to(tl.float32)                                   # [BE, BD]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)                    # [BM, BE]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * s_o + ex[None, :], acc, mask=rm[:, None] & em[None, :])
+
+
+LOGIT_TILE = (16, 4, 128)          # rows, experts, columns a step: fixed for every N (a row's bits: its own)
+
+
+def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, D] (bf16 / fp32), w [E, D] -> [N, E] fp32 logits, each row computed alone."""
+    x, w = x.contiguous(), w.contiguous()
+    (N, D), E = x.shape, w.shape[0]
+    out = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    bm, be, bd = LOGIT_TILE
+    if N:
+        _logits_kernel[(triton.cdiv(N, bm), triton.cdiv(E, be))](x, w, out, N, E, D, x.stride(0), w.stride(0),
+                                                                  out.stride(0), BLOCK_M=bm, BLOCK_E=be,
+                                                                  BLOCK_D=bd, num_warps=4)
+    return out
 
 
 def supported(E: int, spec: RouteSpec) -> bool:

@@ -65,6 +65,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # its kernel by row count (an H200: one row's sums differ in the last bit from two rows', BENCHMARKS.md
     # "Lossless"), so on CUDA the rows are computed padded to one class: a decode row routes exactly as the same
     # row of a verify step of any batch, where a near-tie between experts could otherwise go the other way.
+    fast = dispatch.router_logits(x, weight)             # Triton: one fixed order a row, no padding
+    if fast is not None:
+        return fast
     n = x.shape[0]
     pad = next((c for c in ROUTER_CLASSES if n <= c), n) if x.is_cuda else n
     if pad == n:

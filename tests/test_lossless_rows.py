@@ -43,3 +43,4 @@ def test_bf16_linear_rows_do_not_depend_on_their_neighbours(N, K):
     full = F.linear(x, w)
     for m in range(1, 17):
         assert torch.equal(F.linear(x[:m], w), full[:m]), m
+

@@ -1,7 +1,8 @@
-"""Lossless greedy needs a row's attention to get the same bits alone and among other rows (tests/test_lossless_rows.py
-holds the same for the GEMMs): the split MLA kernels cut a row's keys (dense) or its index list (sparse) into
-splits whose fp32 partial sums are merged, so the cut must come from the row's own length, never from how many rows
-the launch has or how wide its block table is. Both backends: interpreted on CPU, compiled on CUDA."""
+"""Lossless greedy needs a row to get the same bits alone and among other rows (tests/test_lossless_rows.py holds
+it for cuBLAS's GEMMs): here the Triton kernels. The split MLA kernels cut a row's keys (dense) or its index list
+(sparse) into splits whose fp32 partial sums are merged, so the cut must come from the row's own length, never
+from how many rows the launch has or how wide its block table is; the router's fp32 logits sum each row in one
+order. Both backends: interpreted on CPU, compiled on CUDA."""
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ from kernel_backends import BACKENDS, CUDA, INTERP, NO_CUDA, dev, launches, rel,
 from kernels import dsa  # noqa: E402
 from kernels.mla import latent_attention  # noqa: E402
 from kernels.triton_dsa import sparse_mla_triton  # noqa: E402
+from kernels.triton_router import logits as router_logits  # noqa: E402
 from kernels.triton_mla import SPLIT_TILES_MIN, SPLITS_MAX, mla_attention_triton, num_splits  # noqa: E402
 from models.kv_cache import PagedKVCache  # noqa: E402
 
@@ -70,3 +72,17 @@ def test_sparse_row_alone_equals_the_row_among_others(dev, launches):
     args = (ql, qp, *common, batch.block_tables, batch.token_request, idx, 0.2)
     assert rel(full, dsa.sparse_mla(*args)) <= 1e-5
     assert dev == "cuda" or launches["_combine_kernel"] == 2
+
+
+@pytest.mark.parametrize("E,D", [(64, 2048), (8, 200)])                 # V2-Lite's router; a ragged one
+def test_router_logits_row_alone_equals_the_row_among_others(dev, E, D, launches):
+    g = torch.Generator().manual_seed(D)
+    w = (torch.randn(E, D, generator=g) * 0.02).bfloat16().to(dev)
+    x = torch.randn(40, D, generator=g).bfloat16().to(dev)
+    full = router_logits(x, w)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    assert full.dtype == torch.float32 and rel(full, ref) <= 1e-5
+    for m in (1, 2, 15, 17, 33):
+        assert torch.equal(router_logits(x[:m], w), full[:m]), m
+        assert torch.equal(router_logits(x[m - 1:m], w)[0], full[m - 1]), m    # alone, first in its block
+    assert dev == "cuda" or launches["_logits_kernel"] == 11
