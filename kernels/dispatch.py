@@ -190,7 +190,7 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, fac
     return _ref_norm.rotary(x, positions, inv_freq, factor, interleave)
 
 
-ROUTER_ROWS = 512      # Triton's router logits up to here (a verify of 64 requests x 5 rows); above: cuBLAS
+ROUTER_ROWS = 128      # Triton's router logits up to here (decode and verify steps); above: cuBLAS
 
 
 def router_logits(x: torch.Tensor, w: torch.Tensor):

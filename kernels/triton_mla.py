@@ -140,7 +140,7 @@ def _combine_kernel(ws_ptr, ml_ptr, out_ptr, s_on, s_oh, H, R,
     tl.store(out_ptr + n * s_on + heads[:, None] * s_oh + r[None, :], out.to(out_ptr.dtype.element_ty), mask=omask)
 
 
-SPLITS_MAX, SPLIT_TILES_MIN = 32, 4     # a row's keys: at most 32 splits, each at least 4 key tiles
+SPLITS_MAX, SPLIT_TILES_MIN = 16, 2     # a row's keys: at most 16 splits, each at least 2 key tiles
 
 
 def num_splits(max_context: int, block_n: int) -> int:

@@ -65,37 +65,34 @@ def _route_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, s_l, scale, E: tl.constexp
 
 
 @triton.jit
-def _logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, s_x, s_w, s_o,
-                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
-    # one program: BLOCK_M rows x BLOCK_E experts, D in BLOCK_D steps; fp32 products summed per step, no MMA
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _logits_kernel(x_ptr, w_ptr, out_ptr, E, D, s_x, s_w, s_o, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    # one program: one row x BLOCK_E experts; fp32 products kept per column lane over D, summed once at the end
+    n = tl.program_id(0).to(tl.int64)
     ex = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     d = tl.arange(0, BLOCK_D)
-    rm, em = rows < N, ex < E
-    acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    em = ex < E
+    acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         dm = d0 + d < D
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * s_x + d0 + d[None, :], mask=rm[:, None] & dm[None, :],
-                    other=0.0).to(tl.float32)                                   # [BM, BD]
+        x = tl.load(x_ptr + n * s_x + d0 + d, mask=dm, other=0.0).to(tl.float32)               # [BD]
         w = tl.load(w_ptr + ex[:, None] * s_w + d0 + d[None, :], mask=em[:, None] & dm[None, :],
-                    other=0.0).to(tl.float32)                                   # [BE, BD]
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)                    # [BM, BE]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * s_o + ex[None, :], acc, mask=rm[:, None] & em[None, :])
+                    other=0.0).to(tl.float32)                                                  # [BE, BD]
+        acc += x[None, :] * w
+    tl.store(out_ptr + n * s_o + ex, tl.sum(acc, axis=1), mask=em)
 
 
-LOGIT_TILE = (16, 4, 128)          # rows, experts, columns a step: fixed for every N (a row's bits: its own)
+LOGIT_TILE = (4, 1024)             # experts, columns a step: from the shape only (a row's bits: its own)
 
 
-def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def logits(x: torch.Tensor, w: torch.Tensor, tile: tuple[int, int] = LOGIT_TILE) -> torch.Tensor:
     """x [N, D] (bf16 / fp32), w [E, D] -> [N, E] fp32 logits, each row computed alone."""
     x, w = x.contiguous(), w.contiguous()
     (N, D), E = x.shape, w.shape[0]
     out = torch.empty(N, E, dtype=torch.float32, device=x.device)
-    bm, be, bd = LOGIT_TILE
+    be, bd = tile
     if N:
-        _logits_kernel[(triton.cdiv(N, bm), triton.cdiv(E, be))](x, w, out, N, E, D, x.stride(0), w.stride(0),
-                                                                  out.stride(0), BLOCK_M=bm, BLOCK_E=be,
-                                                                  BLOCK_D=bd, num_warps=4)
+        _logits_kernel[(N, triton.cdiv(E, be))](x, w, out, E, D, x.stride(0), w.stride(0), out.stride(0),
+                                                BLOCK_E=be, BLOCK_D=bd, num_warps=4)
     return out
 
 

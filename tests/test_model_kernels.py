@@ -393,7 +393,7 @@ KERNELS = [(tm._mla_kernel, dict.fromkeys(["ql_ptr", "qp_ptr", "ckv_ptr", "kpe_p
             dict(E=256, SIGMOID=True, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4, TOP_K=8, NOAUX=True, NORM=True,
                  BLOCK_K=8)),
            (tr._logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32"), {},
-            dict(BLOCK_M=16, BLOCK_E=4, BLOCK_D=128)),
+            dict(BLOCK_E=4, BLOCK_D=1024)),
            (tn._rms_norm_kernel, dict.fromkeys(["x_ptr", "w_ptr", "out_ptr"], "*bf16"), {}, dict(BLOCK=2048)),
            (tn._rotary_kernel, dict.fromkeys(["x_ptr", "out_ptr"], "*bf16"), dict(pos_ptr="*i64", f_ptr="*fp32"),
             dict(BLOCK=32, INTERLEAVE=True)),
