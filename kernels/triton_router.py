@@ -2,8 +2,9 @@
 
 `logits`: x [N, D] . w [E, D] in fp32 (DeepSeek routes in fp32), each row's sums in one fixed order whatever N
 is, so a token routes the same alone (decode) and among 128 rows (verify): cuBLAS's fp32 GEMM picks its kernel
-by row count and then changes a row's last bits (BENCHMARKS.md "Lossless"), and padding every call to 128 rows
-cost 13 us a layer at V2-Lite's shape and 32 us at V3's against ~6 us unpadded.
+by row count and then changes a row's last bits (BENCHMARKS.md "Lossless"). One program a row and two experts:
+on an H200 1.8 us at one row of V2-Lite's shape (64 x 2048) and 3.1 us at V3's (256 x 7168), where cuBLAS
+padded to 128 rows took 13.9 and 32.4 us; at 128 rows 6.7 / 51 us against 13.5 / 33 (BENCHMARKS.md).
 
 `select`: one program per token over its E
 logits (E and the group size powers of two; dispatch falls back to the reference otherwise). Eager, the
@@ -81,7 +82,7 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, E, D, s_x, s_w, s_o, BLOCK_E: tl.const
     tl.store(out_ptr + n * s_o + ex, tl.sum(acc, axis=1), mask=em)
 
 
-LOGIT_TILE = (4, 1024)             # experts, columns a step: from the shape only (a row's bits: its own)
+LOGIT_TILE = (2, 1024)             # experts, columns a step: from the shape only (a row's bits: its own)
 
 
 def logits(x: torch.Tensor, w: torch.Tensor, tile: tuple[int, int] = LOGIT_TILE) -> torch.Tensor:

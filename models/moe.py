@@ -57,15 +57,16 @@ class DenseMLP(MLP):
         return all_reduce(super().forward(x), self.ps.tp_group, self.ps.tp_size)
 
 
-ROUTER_CLASSES = (128,)    # CUDA: a call of n <= 128 rows runs as 128 rows (one class: any batch; prefill: n)
+ROUTER_CLASSES = (128,)    # CUDA without Triton: a call of n <= 128 rows runs as 128 rows (one class: any batch)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # x: [N, D], weight: [E, D] -> [N, E] fp32 (DeepSeek routes in fp32, autocast or not). cuBLAS's fp32 GEMM picks
-    # its kernel by row count (an H200: one row's sums differ in the last bit from two rows', BENCHMARKS.md
-    # "Lossless"), so on CUDA the rows are computed padded to one class: a decode row routes exactly as the same
-    # row of a verify step of any batch, where a near-tie between experts could otherwise go the other way.
-    fast = dispatch.router_logits(x, weight)             # Triton: one fixed order a row, no padding
+    # x: [N, D], weight: [E, D] -> [N, E] fp32 (DeepSeek routes in fp32, autocast or not). A decode row must route
+    # exactly as the same row of a verify step of any batch, where a near-tie between experts could otherwise go
+    # the other way: on CUDA a Triton kernel sums each row alone (kernels/triton_router.logits, up to 128 rows).
+    # cuBLAS's fp32 GEMM picks its kernel by row count (an H200: one row's sums differ in the last bit from two
+    # rows', BENCHMARKS.md "Lossless"), so without Triton the rows are computed padded to one class.
+    fast = dispatch.router_logits(x, weight)
     if fast is not None:
         return fast
     n = x.shape[0]
