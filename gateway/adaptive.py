@@ -161,11 +161,13 @@ class AdaptivePolicy(FixedPolicy):
     def class_rate(self, greedy: bool, i: int) -> float:
         return self.classes[greedy].rate(i, DEFAULT_PRIOR[min(i, len(DEFAULT_PRIOR) - 1)], CLASS_WEIGHT)
 
-    def gains(self, r: GenRequest, cap: int) -> list[float]:
-        """p_r(1..cap): the probability that each draft position is accepted."""
+    def gains(self, r: GenRequest, cap: int, priors: dict[bool, list[float]] | None = None) -> list[float]:
+        """p_r(1..cap): the probability that each draft position is accepted (priors: the class rates by
+        position, computed once a round)."""
         st, out, p = self.state(r), [], 1.0
+        rate = st.acc.rate
         for i in range(cap):
-            p *= st.acc.rate(i, self.class_rate(st.greedy, i), PRIOR_WEIGHT)
+            p *= rate(i, priors[st.greedy][i] if priors else self.class_rate(st.greedy, i), PRIOR_WEIGHT)
             out.append(p)
         return out
 
@@ -216,7 +218,8 @@ class AdaptivePolicy(FixedPolicy):
                 forced.append(1)
             else:                   # one draft deeper now and then, so the next position's figure stays live
                 forced.append(min(c, last + 1) if 0 < last < c and st.shallow >= SYNC_PROBE else 0)
-        gains = [self.gains(r, c) for r, c in zip(synced, caps)]
+        priors = {g: [self.class_rate(g, i) for i in range(top)] for g in (True, False)}
+        gains = [self.gains(r, c, priors) for r, c in zip(synced, caps)]
         return best_path(gains, forced, len(batch), 0, self.costs), False
 
     def observe(self, batch: list[GenRequest], split: dict[str, float]) -> None:
@@ -276,10 +279,11 @@ def best_path(gains: list[list[float]], forced: list[int], batch: int, rows0: in
     tokens = batch + sum(sum(g[:f]) for g, f in zip(gains, forced))
     m, steps = sum(ks), max(ks, default=0)
     rest = sorted((-g, j, i) for i, gs in enumerate(gains) for j, g in enumerate(gs) if j >= forced[i])
-    best_rate, best_m = tokens / max(costs.round_s(batch, m, rows0, steps), 1e-9), 0
+    price = costs.pricer(batch)                     # rows0: a once-per-request cost, not the round's
+    best_rate, best_m = tokens / max(price(m, steps), 1e-9), 0
     for n, (neg, j, _) in enumerate(rest, 1):
         tokens, m, steps = tokens - neg, m + 1, max(steps, j + 1)
-        rate = tokens / max(costs.round_s(batch, m, rows0, steps), 1e-9)
+        rate = tokens / max(price(m, steps), 1e-9)
         if rate > best_rate:
             best_rate, best_m = rate, n
     for _, j, i in rest[:best_m]:

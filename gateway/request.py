@@ -61,7 +61,7 @@ class Observer:
         """r ended: "stop" | "length", or None (failed or cancelled)."""
 
 
-@dataclass
+@dataclass(eq=False)        # a request is itself: `in` and list.remove compare identity, not every field
 class GenRequest:
     id: str
     prompt_ids: list[int]

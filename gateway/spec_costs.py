@@ -155,6 +155,19 @@ class CostModel:
     def propose_s(self, batch: int, steps: int, drafts: int) -> float:
         return (self.propose.predict((batch, steps, drafts)) or 0.0) if drafts else 0.0
 
+    def pricer(self, batch: int):
+        """round_s for one batch size as a function (drafts, steps) -> seconds, its tables looked up once (the
+        policy prices ~100 points of a batch-32 round)."""
+        t = self.verify.get(bucket(batch))
+        if t is None or t.coef is None:
+            return lambda drafts, steps: self.round_s(batch, drafts, 0, steps)
+        verify, propose, gateway = t.predict, self.propose.predict, self.gateway
+
+        def price(drafts: int, steps: int) -> float:
+            y = gateway + (verify((batch, batch + drafts)) or 0.0)
+            return y + (propose((batch, steps, drafts)) or 0.0) if drafts else y
+        return price
+
     def round_s(self, batch: int, drafts: int, rows0: int = 0, steps: int = 0) -> float:
         """A round of `batch` requests with `drafts` draft tokens in all, at most `steps` per request (rows0,
         the committed rows the draft catches up on, is a once-per-request cost: not charged to the round)."""
