@@ -6,6 +6,7 @@ Weights keep the checkpoint's [out, in] layout; each parameter records how it is
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -60,11 +61,27 @@ def linear_weight(module: nn.Module, shape, shard=None, full_shape=None, dtype=N
                                           dtype=torch.float32)
 
 
+LINEAR_ROWS = int(os.environ.get("TANDEM_LINEAR_ROWS", "128"))    # 0: off (to measure what it costs)
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., in] . w [out, in] by cuBLAS. On CUDA a call of fewer than LINEAR_ROWS rows runs as LINEAR_ROWS
+    rows: cuBLAS picks its kernel by row count, and an H200's bf16 GEMM at V2-Lite's dense MLP gives a row other
+    bits among 32 rows than among 8 (BENCHMARKS.md "Lossless at any batch"), so without one class a verify
+    row could part from its decode row at a near-tie. Rows never mix in a GEMM: the padding is not read."""
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not (x.is_cuda and 0 < m < LINEAR_ROWS) or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return F.linear(x, w)
+    rows = torch.empty(LINEAR_ROWS, x.shape[-1], dtype=x.dtype, device=x.device)
+    rows[:m].copy_(x.reshape(m, -1))
+    return F.linear(rows, w)[:m].view(*x.shape[:-1], w.shape[0])
+
+
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # x: [..., in] -> [..., out] by module.weight (fp8 with its block scales: kernels.dispatch.fp8_linear)
     if hasattr(module, "weight_scale_inv"):
         return dispatch.fp8_linear(x, module.weight, module.weight_scale_inv)
-    return F.linear(x, module.weight)
+    return dense_linear(x, module.weight)
 
 
 class ReplicatedLinear(nn.Module):
@@ -75,7 +92,9 @@ class ReplicatedLinear(nn.Module):
         linear_weight(self, (out_features, in_features), dtype=dtype, fp8=fp8)
 
     def forward(self, x):
-        return linear(self, x) if hasattr(self, "weight_scale_inv") else F.linear(x.to(self.weight.dtype), self.weight)
+        if hasattr(self, "weight_scale_inv"):
+            return linear(self, x)
+        return dense_linear(x.to(self.weight.dtype), self.weight)
 
 
 class ColumnParallelLinear(nn.Module):

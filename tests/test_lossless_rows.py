@@ -45,3 +45,20 @@ def test_bf16_linear_rows_do_not_depend_on_their_neighbours(N, K):
     for m in range(1, 17):
         assert torch.equal(F.linear(x[:m], w), full[:m]), m
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA; this machine has none")
+@pytest.mark.parametrize("N,K,dtype", [(10944, 2048, torch.bfloat16), (2048, 10944, torch.bfloat16),
+                                       (3072, 2048, torch.bfloat16), (64, 2048, torch.float32)])
+def test_model_linears_rows_do_not_depend_on_their_neighbours(N, K, dtype):
+    """models/layers.dense_linear (every bf16 projection of the model, the LM head, the V3.2 indexer's fp32 head
+    weights): a row's bits the same in calls of 1..128 rows, where plain cuBLAS parts 8 from 32 rows."""
+    from models.layers import LINEAR_ROWS, dense_linear
+    g = torch.Generator().manual_seed(N + K)
+    w = (torch.randn(N, K, generator=g) * 0.02).to(dtype).cuda()
+    x = torch.randn(LINEAR_ROWS, K, generator=g).to(dtype).cuda()
+    full = F.linear(x, w)
+    for m in (1, 3, 8, 16, 17, 32, 64, 100, LINEAR_ROWS):
+        assert torch.equal(dense_linear(x[:m], w), full[:m]), m
+    assert torch.equal(dense_linear(x[:6].view(2, 3, K), w), full[:6].view(2, 3, N))
