@@ -282,8 +282,11 @@ def best_path(gains: list[list[float]], forced: list[int], batch: int, rows0: in
     price = costs.pricer(batch)                     # rows0: a once-per-request cost, not the round's
     best_rate, best_m = tokens / max(price(m, steps), 1e-9), 0
     for n, (neg, j, _) in enumerate(rest, 1):
-        tokens, m, steps = tokens - neg, m + 1, max(steps, j + 1)
-        rate = tokens / max(price(m, steps), 1e-9)
+        tokens, m = tokens - neg, m + 1
+        if j >= steps:
+            steps = j + 1
+        cost = price(m, steps)
+        rate = tokens / (cost if cost > 1e-9 else 1e-9)
         if rate > best_rate:
             best_rate, best_m = rate, n
     for _, j, i in rest[:best_m]:

@@ -29,6 +29,7 @@ WINDOW = 5              # measurements kept per shape (their median is its cost)
 TRUST = 3               # measurements of a shape before its own median is used instead of the line
 AGE = 0.98              # weight of a shape in the line, per round since its last measurement
 GATEWAY_RATE = 0.1      # moving average of the gateway's share of a round
+PRICE_ROUNDS = 8        # rounds a priced round shape is reused (CostModel.pricer)
 
 
 class Shape:
@@ -142,6 +143,7 @@ class CostModel:
         self.rounds = 0
         self.catchup = Shape()                            # propose seconds per catch-up row (first Proposes)
         self.resync_per_token: float | None = None       # seconds a re-sync takes per committed token
+        self._prices: dict[int, tuple[int, dict]] = {}    # batch -> (round priced, {(drafts, steps): seconds})
 
     def verify_s(self, batch: int, tokens: int) -> float:
         b = bucket(batch)
@@ -156,16 +158,25 @@ class CostModel:
         return (self.propose.predict((batch, steps, drafts)) or 0.0) if drafts else 0.0
 
     def pricer(self, batch: int):
-        """round_s for one batch size as a function (drafts, steps) -> seconds, its tables looked up once (the
-        policy prices ~100 points of a batch-32 round)."""
+        """round_s for one batch size as a function (drafts, steps) -> seconds. The policy prices ~100 points
+        of a batch-32 round, mostly the same points round after round: each is kept for PRICE_ROUNDS rounds
+        (the medians it reads move slowly), and the gateway's share is added fresh."""
         t = self.verify.get(bucket(batch))
         if t is None or t.coef is None:
             return lambda drafts, steps: self.round_s(batch, drafts, 0, steps)
+        born, memo = self._prices.get(batch, (-PRICE_ROUNDS, None))
+        if memo is None or self.rounds - born >= PRICE_ROUNDS:
+            memo = {}
+            self._prices[batch] = (self.rounds, memo)
         verify, propose, gateway = t.predict, self.propose.predict, self.gateway
 
         def price(drafts: int, steps: int) -> float:
-            y = gateway + (verify((batch, batch + drafts)) or 0.0)
-            return y + (propose((batch, steps, drafts)) or 0.0) if drafts else y
+            y = memo.get((drafts, steps))
+            if y is None:
+                y = (verify((batch, batch + drafts)) or 0.0) + ((propose((batch, steps, drafts)) or 0.0) if drafts
+                                                                else 0.0)
+                memo[drafts, steps] = y
+            return gateway + y
         return price
 
     def round_s(self, batch: int, drafts: int, rows0: int = 0, steps: int = 0) -> float:
