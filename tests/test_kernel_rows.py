@@ -42,9 +42,9 @@ def test_splits_follow_the_table_not_the_rows():
 
 
 def test_dense_row_alone_equals_the_row_among_others(dev, launches):
-    """Request a's decode row (301 keys: 19 tiles) alone, then with b's verify rows (N = 5) and with a table
-    twice as wide: the same bits. The rows' old rule (splits from N and the table) cut a's keys 8 or 2 ways."""
-    cache, batch, ql, qp = case(dev, {"a": 300, "b": 40}, {"a": 1, "b": 4})
+    """Request a's decode row (121 keys: 8 tiles) alone, then with b's verify rows (N = 5) and with a table
+    twice as wide: the same bits. The old rule (splits from N and the table) cut a's keys 8 or 2 ways."""
+    cache, batch, ql, qp = case(dev, {"a": 120, "b": 40}, {"a": 1, "b": 4})
     common = (cache.ckv[0], cache.kpe[0])
     full = mla_attention_triton(ql, qp, *common, batch.block_tables, batch.token_request, batch.positions,
                                 batch.context_lens, 0.2, block_n=BN)
@@ -76,6 +76,8 @@ def test_sparse_row_alone_equals_the_row_among_others(dev, launches):
 
 @pytest.mark.parametrize("E,D", [(64, 2048), (8, 200)])                 # V2-Lite's router; a ragged one
 def test_router_logits_row_alone_equals_the_row_among_others(dev, E, D, launches):
+    if dev == "cpu" and E * D > 10_000:
+        pytest.skip("V2-Lite's shape: compiled only (interpreted, 40 s); the ragged shape runs here")
     g = torch.Generator().manual_seed(D)
     w = (torch.randn(E, D, generator=g) * 0.02).bfloat16().to(dev)
     x = torch.randn(40, D, generator=g).bfloat16().to(dev)
