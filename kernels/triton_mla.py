@@ -15,7 +15,6 @@ Runs compiled on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -186,7 +185,8 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Ten
                       ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0), out.stride(0),
                       out.stride(1), H, R, P, block_size, scale * LOG2E,
                       BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(P)),
-                      SPLITS=splits, PER_MIN=per_min, KV_TILES=0 if q_lat.is_cuda else triton.cdiv(max_context, block_n),
+                      SPLITS=splits, PER_MIN=per_min,
+                      KV_TILES=0 if q_lat.is_cuda else triton.cdiv(max_context, block_n),
                       DYNAMIC_LOOP=q_lat.is_cuda, PRECISION=dot_precision(q_lat),
                       num_warps=num_warps or (8 if block_r >= 256 else 4), num_stages=2)
     if splits > 1:
