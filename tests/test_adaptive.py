@@ -145,6 +145,23 @@ def test_a_shape_costs_the_median_of_its_rounds():
     assert costs.probe_s(100) == pytest.approx(100 * 2e-5 + costs.propose_s(1, 1, 1), rel=0.05)
 
 
+def test_a_round_price_is_reused_for_a_few_rounds_then_read_again():
+    """CostModel.pricer keeps each priced (drafts, steps) for PRICE_ROUNDS rounds, then reads the tables anew."""
+    from gateway.spec_costs import PRICE_ROUNDS
+    costs = CostModel()
+    for _ in range(3):
+        for t in (8, 16):
+            costs.observe_round(8, t, {"verify": 0.001 * t, "gateway": 0.0}, None)
+    before = costs.pricer(8)(8, 1)
+    assert before == pytest.approx(0.016, rel=0.02)
+    for _ in range(3):                                      # the shape got twice as dear
+        costs.observe_round(8, 16, {"verify": 0.032, "gateway": 0.0}, None)
+    assert costs.pricer(8)(8, 1) == before                  # within PRICE_ROUNDS: the price kept
+    for _ in range(PRICE_ROUNDS):
+        costs.observe_round(8, 8, {"verify": 0.008, "gateway": 0.0}, None)
+    assert costs.pricer(8)(8, 1) == pytest.approx(0.032, rel=0.02)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--speculation", "sometimes"], "--speculation must be one of ['fixed', 'adaptive'], got 'sometimes'"),
     (["--adaptive-reprobe-rounds", "-2"], "--adaptive-reprobe-rounds must be >= 0 (0: automatic), got -2"),
