@@ -161,13 +161,13 @@ class AdaptivePolicy(FixedPolicy):
     def class_rate(self, greedy: bool, i: int) -> float:
         return self.classes[greedy].rate(i, DEFAULT_PRIOR[min(i, len(DEFAULT_PRIOR) - 1)], CLASS_WEIGHT)
 
-    def gains(self, r: GenRequest, cap: int, priors: dict[bool, list[float]] | None = None) -> list[float]:
+    def gains(self, r: GenRequest, cap: int, priors: dict[bool, list[float]]) -> list[float]:
         """p_r(1..cap): the probability that each draft position is accepted (priors: the class rates by
         position, computed once a round)."""
         st, out, p = self.state(r), [], 1.0
-        rate = st.acc.rate
+        rate, prior = st.acc.rate, priors[st.greedy]
         for i in range(cap):
-            p *= rate(i, priors[st.greedy][i] if priors else self.class_rate(st.greedy, i), PRIOR_WEIGHT)
+            p *= rate(i, prior[i], PRIOR_WEIGHT)
             out.append(p)
         return out
 

@@ -19,7 +19,7 @@ from torch import nn
 from kernels import dispatch
 from kernels.router import RouteSpec
 from models.config import ModelConfig
-from models.layers import linear, linear_weight, shard_param
+from models.layers import dense_linear, linear, linear_weight, shard_param
 from models.parallel import ParallelState, SINGLE, all_reduce
 
 
@@ -57,27 +57,17 @@ class DenseMLP(MLP):
         return all_reduce(super().forward(x), self.ps.tp_group, self.ps.tp_size)
 
 
-ROUTER_CLASSES = (128,)    # CUDA without Triton: a call of n <= 128 rows runs as 128 rows (one class: any batch)
-
-
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # x: [N, D], weight: [E, D] -> [N, E] fp32 (DeepSeek routes in fp32, autocast or not). A decode row must route
     # exactly as the same row of a verify step of any batch, where a near-tie between experts could otherwise go
-    # the other way: on CUDA a Triton kernel sums each row alone (kernels/triton_router.logits, up to 128 rows).
-    # cuBLAS's fp32 GEMM picks its kernel by row count (an H200: one row's sums differ in the last bit from two
-    # rows', BENCHMARKS.md "Lossless"), so without Triton the rows are computed padded to one class.
+    # the other way: on CUDA a Triton kernel sums each row alone (kernels/triton_router.logits, up to 128 rows);
+    # without Triton cuBLAS runs them as one class of rows (models/layers.dense_linear), since its fp32 GEMM picks
+    # its kernel by row count (an H200: one row's sums differ in the last bit from two rows', BENCHMARKS.md).
     fast = dispatch.router_logits(x, weight)
     if fast is not None:
         return fast
-    n = x.shape[0]
-    pad = next((c for c in ROUTER_CLASSES if n <= c), n) if x.is_cuda else n
-    if pad == n:
-        rows = x.float()                                 # no copy where x is fp32 already (CPU, prefill)
-    else:
-        rows = torch.empty(pad, x.shape[1], dtype=torch.float32, device=x.device)   # rows past n: never read
-        rows[:n].copy_(x)
     with torch.autocast(x.device.type, enabled=False):
-        return F.linear(rows, weight.float())[:n]
+        return dense_linear(x.float(), weight.float())       # no copy where x is fp32 already (CPU, prefill)
 
 
 class Router(nn.Module):

@@ -2,8 +2,8 @@
 of a step must not change their arithmetic with the number of rows. Measured on an H200 (BENCHMARKS.md
 "Lossless"): cuBLAS's bf16 GEMMs keep a row's bits from 1 to 16 rows, but its fp32 GEMV for one row does not match
 the GEMM of two or more (nor, at DeepSeek-V3's 7168 columns, two rows those of sixteen): the router (fp32,
-DeepSeek's rule) therefore runs in Triton (tests/test_kernel_rows.py) or, without it, pads its rows to one class of
-128 (models/moe.ROUTER_CLASSES). The fp8 GEMM and the fused MoE have their own class tests (test_fp8_kernels.py,
+DeepSeek's rule) therefore runs in Triton (tests/test_kernel_rows.py) or, without it, as one class of 128 rows
+(models/layers.dense_linear, as every bf16 projection). The fp8 GEMM and the fused MoE have their own class tests (test_fp8_kernels.py,
 test_moe_kernels.py)."""
 import pytest
 import torch
