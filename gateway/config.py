@@ -52,6 +52,7 @@ class GatewayConfig:
     draft_timeout_s: float = 10.0            # a Propose; past it the round goes on without drafts
     random_config: str = ""                  # target and draft run a random-weight preset: no tokenizer
     service_calls: str = "stream"            # a round's Verify / Propose: on one persistent stream, or unary
+    overlap_rounds: bool = True              # the next round's Propose goes out before this round commits
 
     @property
     def model_name(self) -> str:
@@ -105,6 +106,9 @@ def parse(argv) -> GatewayConfig:
                    "(gateway/adaptive.py)")
     p.add_argument("--adaptive-reprobe-rounds", type=int, default=0, help="adaptive: rounds between two probes of "
                    "requests parked at k = 0 (0: as often as 1%% of the round time pays for)")
+    p.add_argument("--no-overlap-rounds", dest="overlap_rounds", action="store_false", help="commit each round "
+                   "before the next round's Propose is sent (default: the draft computes the next round's drafts "
+                   "while the gateway commits, detokenizes and streams this one's tokens: gateway/proposals.py)")
     p.add_argument("--host", default="127.0.0.1", help="address of the gRPC and HTTP listeners")
     p.add_argument("--grpc-port", type=int, default=50051, help="the GenerateService")
     p.add_argument("--http-port", "--port", type=int, default=8000,

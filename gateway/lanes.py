@@ -37,9 +37,16 @@ class Lane:
         self._lock = asyncio.Lock()    # one call at a time on a stream (the Scheduler makes one anyway)
 
     async def __call__(self, request, *, timeout: float | None = None):
+        return await (await self.begin(request, timeout=timeout))
+
+    async def begin(self, request, *, timeout: float | None = None) -> asyncio.Future:
+        """Send `request` now; -> a future of its response (the stream is this call's until it is answered).
+        The gateway sends a Propose this way before it commits the last round (gateway/proposals.py)."""
         if not self.streaming:
-            return await self.unary(request, timeout=timeout)
-        async with self._lock:
+            return asyncio.ensure_future(self.unary(request, timeout=timeout))
+        await self._lock.acquire()
+        call = None
+        try:
             if tracing.enabled():
                 request.trace_context.clear()
                 request.trace_context.update(tracing.inject_metadata())
@@ -47,28 +54,48 @@ class Lane:
             if call is None or call.done():
                 call = self.open_stream()
                 self.opened += 1
-            try:
-                await call.write(request)
-                resp = await asyncio.wait_for(call.read(), timeout)
-            except asyncio.TimeoutError:
+            await call.write(request)
+        except grpc.aio.AioRpcError as e:
+            return asyncio.ensure_future(self._failed(call, e, request, timeout))
+        except BaseException:                   # cancelled by the caller, or the stream already finished
+            self._lock.release()
+            if call is not None:
                 call.cancel()
-                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"{self.name}: no answer within {timeout:.3g} s") from None
-            except grpc.aio.AioRpcError as e:
-                call.cancel()
-                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                self.streaming = False          # an older service: unary from now on
-                return await self.unary(request, timeout=timeout)
-            except BaseException:               # cancelled by the caller, or the stream already finished
-                call.cancel()
-                raise
-            if resp is grpc.aio.EOF:            # the service ended the stream without answering
-                code, details = await call.code(), await call.details()
-                raise rpc_error(code if code != grpc.StatusCode.OK else grpc.StatusCode.UNAVAILABLE,
-                                details or f"{self.name}: the stream ended without an answer")
-            self.call = call
-            return resp
+            raise
+        return asyncio.ensure_future(self._answer(call, request, timeout))
+
+    async def _answer(self, call, request, timeout: float | None):
+        """The response to `request`, just written on `call`; frees the stream for the next call."""
+        try:
+            resp = await asyncio.wait_for(call.read(), timeout)
+        except asyncio.TimeoutError:
+            call.cancel()
+            self._lock.release()
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no answer within {timeout:.3g} s") from None
+        except grpc.aio.AioRpcError as e:
+            return await self._failed(call, e, request, timeout)
+        except BaseException:                   # cancelled by the caller
+            call.cancel()
+            self._lock.release()
+            raise
+        self._lock.release()
+        if resp is grpc.aio.EOF:                # the service ended the stream without answering
+            code, details = await call.code(), await call.details()
+            raise rpc_error(code if code != grpc.StatusCode.OK else grpc.StatusCode.UNAVAILABLE,
+                            details or f"{self.name}: the stream ended without an answer")
+        self.call = call
+        return resp
+
+    async def _failed(self, call, e: grpc.aio.AioRpcError, request, timeout: float | None):
+        """The stream failed: dropped; raised as the unary call's error, or (UNIMPLEMENTED: an older
+        service) the call made unary, as every later one."""
+        if call is not None:
+            call.cancel()
+        self._lock.release()
+        if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise e
+        self.streaming = False
+        return await self.unary(request, timeout=timeout)
 
     def close(self) -> None:
         if self.call is not None:

@@ -90,6 +90,7 @@ class GenRequest:
     policy_state: object = None                              # the speculation policy's (gateway/adaptive.py)
     cached_tokens: int = 0                                   # prompt positions the target's prefix cache held
     prefilled: int = 0                                       # prompt positions on the target (chunks so far)
+    uncommitted: int = 0                                     # emitted by the last Verify, not yet committed
 
     def take(self, tokens: list[int], logprobs: list | None, eos: set[int]) -> tuple[list[int], str, str | None]:
         """Append the target's tokens to the output up to the first that ends the request (EOS, one that
@@ -116,11 +117,13 @@ class GenRequest:
 
     def round_k(self, k: int | None = None) -> int:
         """Drafts this round: k (default: the speculation policy's choice for this round, else K), less near
-        the end of the context (the target holds at most max_model_len positions). Near max_tokens a round
-        still drafts k (the tokens past it are dropped), so acceptance figures stay comparable across requests."""
+        the end of the context (the target holds at most max_model_len positions; a round planned before the
+        last Verify's tokens are committed counts them). Near max_tokens a round still drafts k (the tokens
+        past it are dropped), so acceptance figures stay comparable across requests."""
         if k is None:
             k = self.k if self.round_cap is None else self.round_cap
-        return max(0, min(k, self.max_model_len - len(self.prompt_ids) - len(self.output_ids)))
+        held = len(self.prompt_ids) + len(self.output_ids) + self.uncommitted
+        return max(0, min(k, self.max_model_len - held))
 
 
 def call_budget(reqs: list[GenRequest], cap: float) -> tuple[float, bool]:

@@ -1,5 +1,7 @@
 """Continuous batching of speculative rounds: Prefill new requests, then Propose -> Verify -> commit.
 
+While nothing waits for the draft's attention first (new requests, chunks, re-syncs), rounds overlap: the next
+round's Propose goes out as soon as a Verify answers, before that round's commit (gateway/proposals.py).
 Requests join between rounds and leave as they finish; with a token budget a long prompt is prefilled in
 chunks, one Prefill per step before the round (gateway/chunking.py). Tokens are committed only from the
 target's answers. A draft that fails (other than a contract error) costs speed, not tokens: its
@@ -21,15 +23,14 @@ import uuid
 
 import grpc
 
-from gateway import chunking
+from gateway import chunking, proposals
 from gateway.adaptive import FixedPolicy
 from gateway.availability import Availability, InFlight
 from gateway.request import Event, GenRequest, Observer, SpecStats, call_budget  # noqa: F401 (re-exported)
-from gateway.prefix_recovery import recover
 from gateway.resync import resync
-from gateway.stubs import CONTRACT_CODES, DraftStub, TargetStub, client_status
+from gateway.stubs import DraftStub, TargetStub, client_status
 from infra import tracing
-from tandem.v1 import common_pb2, draft_pb2, rows_pb2, target_pb2
+from tandem.v1 import common_pb2, rows_pb2, target_pb2
 
 log = logging.getLogger("tandem.gateway")
 
@@ -43,7 +44,7 @@ class Scheduler:
     def __init__(self, target: TargetStub, draft: DraftStub | None, eos_ids: set[int], max_batch: int = 64,
                  rpc_timeout_s: float = 60.0, transport: int = rows_pb2.TRANSPORT_UNSPECIFIED,
                  observer: Observer | None = None, draft_timeout_s: float = 10.0, max_waiting: int = 0, policy=None,
-                 max_num_batched_tokens: int = 0):
+                 max_num_batched_tokens: int = 0, overlap: bool = True):
         self.target, self.draft, self.eos = target, draft, eos_ids
         self.obs, self.policy = observer or Observer(), policy or FixedPolicy()   # policy: gateway/adaptive.py
         self.max_batch, self.timeout, self.transport, self.draft_timeout = max_batch, rpc_timeout_s, transport, draft_timeout_s
@@ -59,6 +60,10 @@ class Scheduler:
         self._prefix = uuid.uuid4().hex[:8]    # several gateways may share one target
         self._in_flight: set[str] = set()      # ids in the Prefill or round now awaiting the services
         self.inflight = InFlight()             # the Prefill, re-sync or round awaited now (target_lost cuts it)
+        self.overlap = overlap                 # send the next round's Propose before committing (proposals.py)
+        self.ahead: proposals.Proposal | None = None       # that Propose, collected by the next round
+        self.proposing: list[proposals.Proposal] = []      # Proposes not yet answered
+        self._round_end, self._off_round = 0.0, 0.0        # the last round's end; calls between rounds since
 
     def new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
@@ -124,17 +129,21 @@ class Scheduler:
     async def step(self) -> None:
         self._expire()
         stale = [r for r in self.running if r.draft.stale]
-        if stale and self.avail.degraded is None:
-            await self._holding(stale, resync(self, stale))
+        t0 = time.perf_counter()
+        if stale and self.avail.degraded is None and self.ahead is None and not self.proposing:
+            await self._holding(stale, resync(self, stale))   # (its Release must not overtake a Propose)
         items = chunking.plan(self) if self.waiting or self.prefilling else []
         if items:
             await self._holding([r for r, _ in items], chunking.prefill(self, items))
+        self._off_round += time.perf_counter() - t0
         if self.running:
             batch = list(self.running)
             await self._holding(batch + self.feed, self._round(batch))
         if self.feed:                             # the round made no Propose: the chunks go alone
             feed, self.feed = self.feed, []
+            t0 = time.perf_counter()
             await self._holding(feed, chunking.feed_draft(self, feed))
+            self._off_round += time.perf_counter() - t0
 
     async def _holding(self, reqs: list[GenRequest], call) -> None:
         """Await one Prefill, re-sync or round over `reqs` (cut short: they fail), then finish the cancelled."""
@@ -151,13 +160,30 @@ class Scheduler:
 
     async def _round(self, batch: list[GenRequest]) -> None:
         """One speculative round over the running batch: Propose for the requests the draft speculates
-        for, Verify every request (with no drafts for the others), commit the target's tokens."""
-        round_t0 = time.perf_counter()      # the policy's own time is the gateway's part of the round
-        spec = self.policy.plan(batch)      # who goes to the draft, each with its k (GenRequest.round_k)
+        for (or collect the Propose the last round sent ahead: gateway/proposals.py), Verify every request
+        (with no drafts for the others), commit the target's tokens."""
+        ahead, self.ahead = self.ahead, None
         split = {"propose": 0.0, "transfer": 0.0, "draft_compute": 0.0}   # round split (metrics)
-        drafts = await self._propose(batch, spec, split) if spec else {}
-        if drafts is None:
-            return
+        if ahead is not None and not any(r.id in ahead.ids for r in batch):   # all finished since: unused
+            await proposals.collect(self, ahead, [], dict(split))
+            ahead = None
+        round_t0 = time.perf_counter() if ahead is None else self._round_end + self._off_round
+        drafts = {}
+        if ahead is None:           # the policy's own time is the gateway's part of the round
+            spec = self.policy.plan(batch)      # who goes to the draft, each with its k (GenRequest.round_k)
+        else:
+            drafts = await proposals.collect(self, ahead, batch, split)
+            if drafts is None:
+                return
+            # requests prefilled since it was sent: their first Propose (the prompt), at their own K
+            spec = [r for r in batch if r.draft.speculate and r.id not in ahead.ids]
+            self.policy.count(spec, spec)
+        if spec:
+            feed, self.feed = [r for r in self.feed if r.draft.speculate and not r.finished], []
+            more = await proposals.collect(self, await proposals.send(self, spec, feed), batch, split)
+            if more is None:
+                return
+            drafts.update(more)
         vreq = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
             request_id=r.id, draft_token_ids=drafts[r.id].draft_token_ids if r.id in drafts else [],
             draft_probs=drafts[r.id].draft_probs if r.id in drafts else b"", logprobs=r.logprobs) for r in batch],
@@ -175,54 +201,37 @@ class Scheduler:
             r.stats.add(k, res.num_accepted)
             self.stats.add(k, res.num_accepted)
             r.draft.verified(list(res.emitted_token_ids), vresp.hidden_rows)
+            r.uncommitted = len(res.emitted_token_ids)
+        overlap = self._overlaps(batch)
+        if not overlap:
+            self._commit_all(batch, vresp.results)
+        self._close_round(batch, split, round_t0)
+        if overlap:                 # the next round's drafts are computed while this round commits
+            spec = self.policy.plan([r for r in self.running if not r.cancelled])
+            self.ahead = await proposals.send(self, spec, []) if spec else None
+            self._commit_all(batch, vresp.results)
+
+    def _overlaps(self, batch: list[GenRequest]) -> bool:
+        """Whether the next round's Propose goes out before this round commits: only while the draft
+        speculates and nothing is waiting for the draft's attention first (new requests, prefill chunks,
+        requests to re-sync), which a sequential round handles."""
+        return (self.overlap and self._speculating and not self.waiting and not self.prefilling
+                and not self.feed and not any(r.draft.stale for r in batch))
+
+    def _commit_all(self, batch: list[GenRequest], results) -> None:
+        for r, res in zip(batch, results):
+            r.uncommitted = 0
             self._commit(r, list(res.emitted_token_ids), list(res.logprobs))
-        split["round"] = time.perf_counter() - round_t0
+
+    def _close_round(self, batch: list[GenRequest], split: dict[str, float], round_t0: float) -> None:
+        """The round's split (with rounds overlapped a round runs from the last one's end, less the Prefill
+        and re-sync calls between them: the commit it hid behind its Propose is in it only as far as
+        the Propose did not hide it) to the metrics and the policy."""
+        self._round_end, self._off_round = time.perf_counter(), 0.0
+        split["round"] = self._round_end - round_t0
         split["gateway"] = split["round"] - split["propose"] - split["verify"]
         self.obs.round_split(split)
         self.policy.observe(batch, split)
-
-    async def _propose(self, batch: list[GenRequest], spec: list[GenRequest],
-                       split: dict[str, float]) -> dict[str, draft_pb2.ProposeResult] | None:
-        """The drafts for `spec` (the speculating part of `batch`) by request id, their times in `split`.
-        {} when the Propose failed: the round goes on without drafts. None when the draft answered
-        with a contract error: every request of the round has failed with it."""
-        feed, self.feed = [r for r in self.feed if r.draft.speculate and not r.finished], []  # chunks: gateway/chunking.py
-        sets = {id(r.draft.rows): r.draft.rows for r in spec + feed}
-        preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
-            request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.round_k(), sampling=r.sampling,
-            position=r.draft.position, cached_tokens=r.draft.cached) for r in spec] + chunking.feed_items(feed),
-            hidden_rows=list(sets.values()))
-        t0 = time.perf_counter()
-        timeout, by_deadlines = call_budget(spec, self.draft_timeout)
-        try:
-            with tracing.phase("propose", [r.span for r in spec], requests=len(spec)):
-                presp = await self.draft.Propose(preq, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            if e.code() in CONTRACT_CODES:
-                for r in batch + feed:
-                    self.fail(r, client_status(e), f"draft Propose: {e.details()}")
-                return None
-            split["propose"] = time.perf_counter() - t0     # a failed Propose's wall is not the gateway's
-            for r in spec + feed:          # the draft's state of them is unknown: re-sync later
-                r.draft.lost()
-            if not (by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):   # else: they expire
-                self.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})",
-                                restarted=e.code() == grpc.StatusCode.UNAVAILABLE)
-            return {}
-        self.avail.draft_proposed()
-        split.update(propose=time.perf_counter() - t0, transfer=presp.timing.transfer_seconds,
-                     draft_compute=presp.timing.compute_seconds)
-        drafts = {}
-        results = list(presp.results)
-        chunking.fed(feed, results[len(spec):])
-        for r, res in zip(spec, results):
-            drafts[r.id] = res
-            if not res.not_held:
-                r.draft.proposed()
-        lacked = [r for r, res in zip(spec, results) if res.not_held]
-        if lacked:                                  # its prefix cache lacked what the target had
-            await recover(self, lacked, drafts)
-        return drafts
 
     @property
     def _speculating(self) -> bool:
@@ -259,7 +268,10 @@ class Scheduler:
         if r in self.prefilling:
             self.prefilling.remove(r)
         asyncio.ensure_future(self._release(self.target, [r.id]))
-        if self.draft is not None:
+        held = proposals.holds(self, r.id)
+        if held is not None:                  # named by a Propose not yet answered: released after it
+            held.deferred.append(r.id)
+        elif self.draft is not None:
             asyncio.ensure_future(self._release(self.draft, [r.id]))
 
     def fail(self, r: GenRequest, code: grpc.StatusCode, message: str) -> None:

@@ -124,7 +124,7 @@ async def serve(cfg: GatewayConfig) -> None:
     scheduler = Scheduler(target, draft, set(info.eos_token_ids), cfg.max_batch, cfg.rpc_timeout_s,
                           transport=TRANSPORTS[cfg.hidden_transport], observer=metrics,
                           draft_timeout_s=cfg.draft_timeout_s, max_waiting=cfg.max_waiting,
-                          max_num_batched_tokens=cfg.max_num_batched_tokens,
+                          max_num_batched_tokens=cfg.max_num_batched_tokens, overlap=cfg.overlap_rounds,
                           policy=AdaptivePolicy(cfg.num_speculative_tokens, cfg.adaptive_reprobe_rounds)
                           if cfg.speculation == "adaptive" else FixedPolicy(cfg.num_speculative_tokens))
     metrics.attach(scheduler, svc.stubs)

@@ -29,11 +29,11 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 
 from tandem.bench import bench_prompts, start_cluster, stop_cluster, write_results
+from tandem.bench_speed_report import plot, table
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 METRIC = "tandem:round_phase_seconds"
@@ -86,74 +86,12 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
             "p50_request_s": sorted(t for _, t in results)[len(results) // 2], "ms_per_round": split}
 
 
-def table(rows: list[dict]) -> str:
-    inproc = any("inprocess_tokens_per_s" in r for r in rows)
-    head = ["acceptance", "batch", "K", "served tok/s", "run spread", "speedup vs K=0", "mean acc. length", "round ms", "propose ms",
-            "transfer ms", "draft compute ms", "verify ms", "target compute ms", "RPC overhead ms", "gateway ms"]
-    head += ["in-process tok/s", "in-process speedup", "served / in-process"] if inproc else []
-    head += ["ideal round ms", "ideal tok/s", "served of ideal"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        s = r["ms_per_round"]
-        ms = (lambda ph: f"{s[ph]:.2f}") if s else (lambda ph: "")
-        rpc = (f"{s['propose'] - s['transfer'] - s['draft_compute'] + s['verify'] - s['target_compute']:.2f}"
-               if s else "")
-        cells = [r["acceptance"], r["batch"], k_name(r, True), f"{r['tokens_per_s']:.1f}",
-                 f"{r['spread']:.0%}" if len(r.get("tokens_per_s_runs", [])) > 1 else "", f"{r['speedup']:.2f}",
-                 f"{r['mean_acceptance_length']:.2f}", ms("round"), ms("propose"), ms("transfer"),
-                 ms("draft_compute"), ms("verify"), ms("target_compute"), rpc, ms("gateway")]
-        if inproc:
-            cells += [f"{r['inprocess_tokens_per_s']:.1f}", f"{r['inprocess_speedup']:.2f}",
-                      f"{r['served_over_inprocess']:.2f}"] if "inprocess_tokens_per_s" in r else ["", "", ""]
-        cells += [f"{r['ideal_round_ms']:.2f}", f"{r['ideal_tokens_per_s']:.0f}", f"{r['of_ideal']:.0%}"]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
-
-
-def k_name(r: dict, mean: bool = False) -> str:
-    """A row's K: the fixed K, or the adaptive cap (and the mean k chosen)."""
-    if r.get("speculation") != "adaptive":
-        return str(r["k"])
-    return f"adaptive <= {r['k']}" + (f" (mean {r['mean_k']:.2f})" if mean else "")
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for acc, k in sorted({(r["acceptance"], k_name(r)) for r in rows}):
-        rs = [r for r in rows if k_name(r) == k and r["acceptance"] == acc]
-        name = f"K={k}" if k == "0" or len({r["acceptance"] for r in rows}) == 1 else f"K={k} ({acc})"
-        if k == "0" and acc != rows[0]["acceptance"]:
-            continue                                   # K = 0 does not depend on the acceptance profile
-        ax.plot([r["batch"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=f"served {name}")
-        if all("inprocess_tokens_per_s" in r for r in rs):
-            ax.plot([r["batch"] for r in rs], [r["inprocess_tokens_per_s"] for r in rs], marker="x",
-                    linestyle="--", label=f"in-process {name}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch (concurrent requests)")
-    ax.set_ylabel("decode tokens / s")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    parts = [("transfer", "transfer"), ("draft_compute", "draft compute"), ("rpc", "RPC overhead"),
-             ("target_compute", "target compute"), ("gateway", "gateway")]
-    split = [r for r in rows if r["ms_per_round"]]
-    bottom = [0.0] * len(split)
-    for key, label in parts:
-        vals = []
-        for r in split:
-            s = r["ms_per_round"]
-            vals.append(s["propose"] - s["transfer"] - s["draft_compute"] + s["verify"] - s["target_compute"]
-                        if key == "rpc" else s[key])
-        bx.bar(range(len(split)), vals, bottom=bottom, label=label)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    bx.set_xticks(range(len(split)), [f"B{r['batch']} K{k_name(r)} {r['acceptance']}" for r in split], rotation=45,
-                  fontsize=7)
-    bx.set_ylabel("ms per round (served)")
-    bx.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def mode_args(mode: str) -> list[str]:
+    """The gateway flags of a --speculation mode: fixed | adaptive, optionally /serial."""
+    base, _, variant = mode.partition("/")
+    if base not in ("fixed", "adaptive") or variant not in ("", "serial"):
+        raise SystemExit(f"--speculation: fixed or adaptive, each optionally /serial; got {mode!r}")
+    return ["--speculation", base] + (["--no-overlap-rounds"] if variant else [])
 
 
 def parse(argv):
@@ -171,7 +109,8 @@ def parse(argv):
     p.add_argument("--metrics", default=None, help="with --gateway: its HTTP HOST:PORT (/metrics) for the split")
     p.add_argument("--ks", default="0,1,2,3,4")
     p.add_argument("--speculation", default="fixed", help="fixed (the --ks grid), adaptive (k <= the largest of "
-                   "--ks chosen per request and round), or fixed,adaptive: both, a cluster each")
+                   "--ks chosen per request and round), or fixed,adaptive: both, a cluster each; a mode ending in "
+                   "/serial runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial)")
     p.add_argument("--workload", default="greedy", choices=["greedy", "mixed"], help="mixed: every other request "
                    "at temperature 1 (the synthetic acceptance applies to greedy ones only)")
     p.add_argument("--batches", default="1,8,32")
@@ -208,13 +147,13 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
     try:
         for mode in modes:
             clusters[mode] = ((None, a.gateway, a.metrics) if a.gateway else
-                              start_cluster(None if rid else model, max(ks), serve_args + extra + ["--speculation", mode]))
+                              start_cluster(None if rid else model, max(ks), serve_args + extra + mode_args(mode)))
         stubs = {m: generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(c[1])) for m, c in clusters.items()}
         for b in (int(x) for x in a.batches.split(",")):
             prompts = bench_prompts(model, b * a.requests_per_batch, a.prompt_tokens, seed=b)
             for rep in range(a.repeats):
                 for mode in (modes if rep % 2 == 0 else modes[::-1]):      # each mode first every other repeat
-                    for k in (ks if mode == "fixed" else [max(ks)]):
+                    for k in (ks if mode.startswith("fixed") else [max(ks)]):
                         r = run_served(stubs[mode], clusters[mode][2], prompts, k, b, a.max_tokens, a.workload == "mixed")
                         r.update(acceptance=profile or "model", speculation=mode, workload=a.workload)
                         runs.setdefault((mode, b, k), []).append(r)
@@ -242,7 +181,7 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
             inproc = {(r["batch"], r["k"]): [r] for r in run_grid(model, a, profile)}
         inproc = {key: {**rs[-1], "tokens_per_s": statistics.mean(x["tokens_per_s"] for x in rs)}
                   for key, rs in inproc.items()}
-        for r in (r for r in rows if r["speculation"] == "fixed"):
+        for r in (r for r in rows if r["speculation"].startswith("fixed")):
             ip = inproc[(r["batch"], r["k"])]
             base = inproc[(r["batch"], ks[0])]["tokens_per_s"]
             r.update(inprocess_tokens_per_s=ip["tokens_per_s"], inprocess_speedup=ip["tokens_per_s"] / base,
@@ -264,7 +203,7 @@ def add_roofline(rows: list[dict], model: str, a) -> float:
     dtype = DTYPES[a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
     context = a.prompt_tokens + a.max_tokens // 2                       # mean cached positions while decoding
     for r in rows:            # adaptive rows: the floor at the nearest whole k to the mean they drafted
-        k = round(r["mean_k"]) if r.get("speculation") == "adaptive" else r["k"]
+        k = round(r["mean_k"]) if r.get("speculation", "").startswith("adaptive") else r["k"]
         r.update(round_floor_ms(model, dtype, r["batch"], k, context, bw, a.quantization, a.draft_quantization))
         r["ideal_tokens_per_s"] = r["batch"] * r["mean_acceptance_length"] / (r["ideal_round_ms"] / 1000)
         r["of_ideal"] = r["tokens_per_s"] / r["ideal_tokens_per_s"]

@@ -45,6 +45,8 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=0, help="gateway: longest prompt (0: the model's limit)")
     p.add_argument("--max-output-tokens", type=int, default=0, help="gateway: largest max_tokens (0: the model's limit)")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="gateway: largest REST body / gRPC message")
+    p.add_argument("--no-overlap-rounds", dest="overlap_rounds", action="store_false", help="gateway: commit each "
+                   "round before sending the next round's Propose (default: overlapped, gateway/proposals.py)")
     p.add_argument("--service-calls", default="stream", choices=("stream", "unary"), help="gateway: each round's "
                    "Verify and Propose on one persistent gRPC stream per service, or as unary calls")
 
@@ -186,7 +188,8 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                   "--max-prompt-tokens", str(a.max_prompt_tokens),
                                   "--max-output-tokens", str(a.max_output_tokens),
                                   "--max-request-bytes", str(a.max_request_bytes),
-                                  "--max-waiting", str(a.max_waiting), "--service-calls", a.service_calls] + tls,
+                                  "--max-waiting", str(a.max_waiting), "--service-calls", a.service_calls]
+                                 + ([] if a.overlap_rounds else ["--no-overlap-rounds"]) + tls,
                  f"{a.host}:{a.grpc_port}"))
     return cmds
 

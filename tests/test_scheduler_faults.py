@@ -108,7 +108,7 @@ def test_slow_or_rowless_propose_keeps_the_bridge():
     async def main():
         for code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND):
             target, draft = FakeTarget(), FakeDraft()
-            s = Scheduler(target, draft, {2}, draft_timeout_s=3.0, transport=rows_pb2.TRANSPORT_BRIDGE)
+            s = Scheduler(target, draft, {2}, draft_timeout_s=3.0, transport=rows_pb2.TRANSPORT_BRIDGE, overlap=False)
             r = request(s)
             s.submit(r)
             await s.step()
@@ -149,7 +149,7 @@ def test_a_failed_propose_counts_as_propose_time_not_gateway_time():
 def test_draft_failure_degrades_then_resyncs_and_resumes(monkeypatch):
     async def main():
         target, draft = FakeTarget(), FakeDraft()
-        s = Scheduler(target, draft, {2}, draft_timeout_s=3.0)
+        s = Scheduler(target, draft, {2}, draft_timeout_s=3.0, overlap=False)   # overlapped: test_overlap_rounds.py
         r = request(s)
         s.submit(r)
         await s.step()                                  # Prefill, then a round of 3 accepted drafts
@@ -191,7 +191,7 @@ def test_broken_row_contract_is_the_clusters_fault_not_the_clients():
     fails the round with INTERNAL and the services' message: the client sent nothing wrong."""
     async def main():
         target, draft = FakeTarget(), FakeDraft()
-        s = Scheduler(target, draft, {2})
+        s = Scheduler(target, draft, {2}, overlap=False)
         r = request(s)
         s.submit(r)
         await s.step()
@@ -209,7 +209,7 @@ def test_broken_row_contract_is_the_clusters_fault_not_the_clients():
 def test_contract_error_from_the_draft_fails_the_round():
     async def main():
         target, draft = FakeTarget(), FakeDraft()
-        s = Scheduler(target, draft, {2})
+        s = Scheduler(target, draft, {2}, overlap=False)
         r = request(s)
         s.submit(r)
         await s.step()

@@ -1,0 +1,129 @@
+"""The draft's Propose of a round, sent when the round starts or, overlapped (issue 14), as soon as the
+previous round's Verify has answered.
+
+Sequential round: plan -> Propose -> Verify -> commit. Overlapped round: the Verify's answer carries each
+request's emitted tokens and the hidden rows the draft needs, so the gateway plans the next round and sends
+its Propose before it commits (detokenizes, checks stop strings, streams) this one; the draft computes while
+the gateway commits, and the next round starts by collecting the drafts. A request that the commit
+finishes was proposed for in vain: its draft Release waits until that Propose has answered (a Release must
+never overtake a Propose that names the request: the draft would fail the call as "not running").
+
+`send` starts the call and returns a Proposal; `collect` awaits it and applies the answer, with the fault
+rules of a Propose (gateway/scheduler.py's docstring): a contract error fails the round's requests, any
+other failure costs only their drafts (re-synced later), and a new request the draft's prefix cache lacked
+is recovered in the same round (gateway/prefix_recovery.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from gateway import chunking
+from gateway.prefix_recovery import recover
+from gateway.request import call_budget
+from gateway.stubs import CONTRACT_CODES, client_status
+from infra import tracing
+from tandem.v1 import draft_pb2
+
+if TYPE_CHECKING:
+    from gateway.request import GenRequest
+    from gateway.scheduler import Scheduler
+
+
+@dataclass(eq=False)
+class Proposal:
+    spec: list[GenRequest]          # the requests drafted for, each with its round_k() at send time
+    feed: list[GenRequest]          # prefill chunks given to the draft in the same call (no drafts)
+    task: asyncio.Future            # the Propose call
+    t0: float                       # perf_counter() when it was sent
+    by_deadlines: bool              # its timeout came from the requests' deadlines
+    ids: set[str] = field(default_factory=set)
+    deferred: list[str] = field(default_factory=list)   # finished meanwhile: draft Release once it answers
+    done_at: float = 0.0
+
+
+async def send(s: Scheduler, spec: list[GenRequest], feed: list[GenRequest]) -> Proposal:
+    """Send the Propose of `spec` (their pending tokens and rows, k = round_k()) and `feed`'s chunks; returns
+    once the request is on its way (a lane's `begin`: written to the stream), its answer still to come."""
+    sets = {id(r.draft.rows): r.draft.rows for r in spec + feed}
+    preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
+        request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.round_k(), sampling=r.sampling,
+        position=r.draft.position, cached_tokens=r.draft.cached) for r in spec] + chunking.feed_items(feed),
+        hidden_rows=list(sets.values()))
+    timeout, by_deadlines = call_budget(spec, s.draft_timeout)
+    begin = getattr(s.draft.Propose, "begin", None)      # gateway/lanes.py; other stubs start on the next turn
+    sent = asyncio.get_running_loop().create_future()
+
+    async def call():
+        with tracing.phase("propose", [r.span for r in spec], requests=len(spec)):   # (the call carries it)
+            try:
+                answer = await begin(preq, timeout=timeout) if begin else asyncio.ensure_future(
+                    s.draft.Propose(preq, timeout=timeout))
+            finally:
+                if not sent.done():
+                    sent.set_result(None)
+            return await answer
+
+    p = Proposal(spec, feed, asyncio.ensure_future(call()), time.perf_counter(), by_deadlines,
+                 {r.id for r in spec + feed})
+    s.proposing.append(p)
+    p.task.add_done_callback(lambda _: _answered(s, p))
+    await asyncio.wait([sent, p.task], return_when=asyncio.FIRST_COMPLETED)   # on its way
+    if begin is None:
+        await asyncio.sleep(0)          # let the call start before the caller goes on
+    return p
+
+
+def _answered(s: Scheduler, p: Proposal) -> None:
+    """The call is over (answered, failed or cancelled): release what finished while it ran."""
+    p.done_at = time.perf_counter()
+    s.proposing.remove(p)
+    if not p.task.cancelled():
+        p.task.exception()              # retrieved here; collect() raises it again where it is awaited
+    if p.deferred:
+        asyncio.ensure_future(s._release(s.draft, p.deferred))
+
+
+def holds(s: Scheduler, rid: str) -> Proposal | None:
+    """The unanswered Propose that names request `rid`, if any."""
+    return next((p for p in s.proposing if rid in p.ids), None)
+
+
+async def collect(s: Scheduler, p: Proposal, batch: list[GenRequest],
+                  split: dict[str, float]) -> dict[str, draft_pb2.ProposeResult] | None:
+    """Await `p`; -> the drafts by request id ({} when the Propose failed: no drafts this round; None when
+    the draft answered with a contract error: every request of the round has failed with it)."""
+    t0 = time.perf_counter()
+    try:
+        presp = await p.task
+    except grpc.aio.AioRpcError as e:
+        if e.code() in CONTRACT_CODES:
+            for r in batch + p.feed:
+                s.fail(r, client_status(e), f"draft Propose: {e.details()}")
+            return None
+        split["propose"] += time.perf_counter() - t0     # a failed Propose's wall is not the gateway's
+        for r in p.spec + p.feed:          # the draft's state of them is unknown: re-sync later
+            r.draft.lost()
+        if not (p.by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):   # else: they expire
+            s.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})",
+                         restarted=e.code() == grpc.StatusCode.UNAVAILABLE)
+        return {}
+    s.avail.draft_proposed()
+    split["propose"] += time.perf_counter() - t0
+    split["transfer"] += presp.timing.transfer_seconds
+    split["draft_compute"] += presp.timing.compute_seconds
+    drafts = {}
+    results = list(presp.results)
+    chunking.fed(p.feed, results[len(p.spec):])
+    for r, res in zip(p.spec, results):
+        drafts[r.id] = res
+        if not res.not_held:
+            r.draft.proposed()
+    lacked = [r for r, res in zip(p.spec, results) if res.not_held and not r.finished]
+    if lacked:                                  # its prefix cache lacked what the target had
+        await recover(s, lacked, drafts)
+    return drafts

@@ -1,0 +1,82 @@
+"""`tandem bench speed`'s report: the Markdown table of its rows and the plot.
+
+RPC overhead is what the round spent in its two calls beyond the services' own work: (propose - transfer -
+draft compute) + (verify - target compute). With overlapped rounds (gateway/proposals.py) "propose" is only
+the round's wait for drafts the commit did not hide, so that figure can go below zero: the overlap won back
+more than the hop cost.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def table(rows: list[dict]) -> str:
+    inproc = any("inprocess_tokens_per_s" in r for r in rows)
+    head = ["acceptance", "batch", "K", "served tok/s", "run spread", "speedup vs K=0", "mean acc. length", "round ms", "propose ms",
+            "transfer ms", "draft compute ms", "verify ms", "target compute ms", "RPC overhead ms", "gateway ms"]
+    head += ["in-process tok/s", "in-process speedup", "served / in-process"] if inproc else []
+    head += ["ideal round ms", "ideal tok/s", "served of ideal"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        s = r["ms_per_round"]
+        ms = (lambda ph: f"{s[ph]:.2f}") if s else (lambda ph: "")
+        rpc = (f"{s['propose'] - s['transfer'] - s['draft_compute'] + s['verify'] - s['target_compute']:.2f}"
+               if s else "")
+        cells = [r["acceptance"], r["batch"], k_name(r, True), f"{r['tokens_per_s']:.1f}",
+                 f"{r['spread']:.0%}" if len(r.get("tokens_per_s_runs", [])) > 1 else "", f"{r['speedup']:.2f}",
+                 f"{r['mean_acceptance_length']:.2f}", ms("round"), ms("propose"), ms("transfer"),
+                 ms("draft_compute"), ms("verify"), ms("target_compute"), rpc, ms("gateway")]
+        if inproc:
+            cells += [f"{r['inprocess_tokens_per_s']:.1f}", f"{r['inprocess_speedup']:.2f}",
+                      f"{r['served_over_inprocess']:.2f}"] if "inprocess_tokens_per_s" in r else ["", "", ""]
+        cells += [f"{r['ideal_round_ms']:.2f}", f"{r['ideal_tokens_per_s']:.0f}", f"{r['of_ideal']:.0%}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def k_name(r: dict, mean: bool = False) -> str:
+    """A row's K: the fixed K, or the adaptive cap (and the mean k chosen); "serial" without overlapped rounds."""
+    mode = r.get("speculation", "fixed")
+    serial = " serial" if mode.endswith("/serial") else ""
+    if not mode.startswith("adaptive"):
+        return str(r["k"]) + serial
+    return f"adaptive <= {r['k']}" + (f" (mean {r['mean_k']:.2f})" if mean else "") + serial
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for acc, k in sorted({(r["acceptance"], k_name(r)) for r in rows}):
+        rs = [r for r in rows if k_name(r) == k and r["acceptance"] == acc]
+        name = f"K={k}" if k == "0" or len({r["acceptance"] for r in rows}) == 1 else f"K={k} ({acc})"
+        if k == "0" and acc != rows[0]["acceptance"]:
+            continue                                   # K = 0 does not depend on the acceptance profile
+        ax.plot([r["batch"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=f"served {name}")
+        if all("inprocess_tokens_per_s" in r for r in rs):
+            ax.plot([r["batch"] for r in rs], [r["inprocess_tokens_per_s"] for r in rs], marker="x",
+                    linestyle="--", label=f"in-process {name}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (concurrent requests)")
+    ax.set_ylabel("decode tokens / s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    parts = [("transfer", "transfer"), ("draft_compute", "draft compute"), ("rpc", "RPC overhead"),
+             ("target_compute", "target compute"), ("gateway", "gateway")]
+    split = [r for r in rows if r["ms_per_round"]]
+    bottom = [0.0] * len(split)
+    for key, label in parts:
+        vals = []
+        for r in split:
+            s = r["ms_per_round"]
+            vals.append(s["propose"] - s["transfer"] - s["draft_compute"] + s["verify"] - s["target_compute"]
+                        if key == "rpc" else s[key])
+        bx.bar(range(len(split)), vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    bx.set_xticks(range(len(split)), [f"B{r['batch']} K{k_name(r)} {r['acceptance']}" for r in split], rotation=45,
+                  fontsize=7)
+    bx.set_ylabel("ms per round (served)")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,179 @@
+"""Overlapped rounds (gateway/proposals.py) over the fake services of test_scheduler_faults.py: the next
+round's Propose goes out before this round commits, and nothing about the output, the draft's state or the
+fault rules changes for it.
+
+The fakes record each call with what the gateway had committed when it was made, so "before the commit" is
+checked, not assumed.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from gateway.request import Observer
+from gateway.scheduler import Scheduler
+from test_scheduler_faults import NEXT, FakeDraft, FakeTarget, events, request, rpc_error, run
+
+
+class Draft(FakeDraft):
+    """Records, per Propose, the committed output of each request at the call; fails from call `fail_from` on
+    with `code` (1-based), and answers after `delay` seconds."""
+
+    def __init__(self, reqs=(), fail_from: int = 0, code=grpc.StatusCode.UNAVAILABLE, delay: float = 0.0):
+        super().__init__()
+        self.reqs, self.fail_from, self.code, self.delay = list(reqs), fail_from, code, delay
+        self.seen: list[dict[str, int]] = []          # per Propose: request id -> len(output_ids) at the call
+        self.order: list[str] = []                    # "Propose:<ids>" / "Propose done" / "Release:<ids>"
+
+    async def Propose(self, req, timeout=None):
+        self.seen.append({r.id: len(r.output_ids) for r in self.reqs})
+        self.order.append("Propose:" + ",".join(it.request_id for it in req.items))
+        n = len(self.seen)
+        await asyncio.sleep(self.delay)
+        try:
+            if self.fail_from and n >= self.fail_from:
+                self.calls.append(("Propose", req, timeout))
+                raise rpc_error(self.code, "fake failure")
+            return await super().Propose(req, timeout)
+        finally:
+            self.order.append("Propose done")
+
+    async def Release(self, req, timeout=None):
+        self.order.append("Release:" + ",".join(req.request_ids))
+        return await super().Release(req, timeout)
+
+
+async def drive(s: Scheduler, reqs, steps: int = 100):
+    for r in reqs:
+        s.submit(r)
+    for _ in range(steps):
+        if not s.running and not s.waiting and not s.prefilling:
+            break
+        await s.step()
+    await asyncio.sleep(0.2)                          # the Release tasks run
+
+
+def test_overlapped_rounds_propose_before_the_commit_and_change_no_output():
+    async def main(overlap: bool):
+        target, draft = FakeTarget(), Draft()
+        s = Scheduler(target, draft, {2}, overlap=overlap)
+        reqs = [request(s, (3, 4, 5 + i), max_tokens=13 + i, k=2 + i % 2) for i in range(3)]
+        draft.reqs = reqs
+        await drive(s, reqs)
+        return reqs, draft
+    serial, d0 = run(main(False))
+    overlapped, d1 = run(main(True))
+    for a, b in zip(serial, overlapped):
+        assert a.output_ids == b.output_ids == [NEXT] * a.max_tokens and b.finished
+        assert a.stats.num_drafts == b.stats.num_drafts and a.stats.num_accepted_tokens == b.stats.num_accepted_tokens
+    # serial: every Propose after the first sees the last round committed; overlapped: most see it not yet
+    # committed (the same count as at the Propose before: the Verify in between answered, its tokens wait)
+    behind = sum(1 for x, y in zip(d1.seen, d1.seen[1:]) for rid in y if rid in x and y[rid] == x[rid] > 0)
+    assert behind >= 3, d1.seen
+    assert not any(y[rid] == x[rid] > 0 for x, y in zip(d0.seen, d0.seen[1:]) for rid in y if rid in x), d0.seen
+
+
+class Splits(Observer):
+    def __init__(self):
+        self.rounds: list[dict] = []
+
+    def round_split(self, seconds):
+        self.rounds.append(dict(seconds))
+
+
+def test_a_request_finished_by_the_commit_is_released_after_the_propose_that_names_it():
+    async def main():
+        target, draft, obs = FakeTarget(), Draft(delay=0.05), Splits()
+        s = Scheduler(target, draft, {2}, observer=obs)
+        r = request(s, max_tokens=9, k=3)          # 1 + 4 + 4 tokens: the commit of round 2 finishes it
+        draft.reqs = [r]
+        await drive(s, [r])
+        await asyncio.sleep(0.5)                    # idle, then a new request: the unused Propose is dropped,
+        nxt = request(s, max_tokens=9, k=3)         # and no round is timed from before the idle time
+        draft.reqs.append(nxt)
+        await drive(s, [nxt])
+        return r, nxt, draft, obs
+    r, nxt, draft, obs = run(main())
+    assert r.finished and r.output_ids == [NEXT] * 9 and nxt.output_ids == [NEXT] * 9
+    assert len(obs.rounds) == 4 and all(x["round"] < 0.4 for x in obs.rounds), obs.rounds
+    # round 2's Verify answered, then round 3's Propose went out (naming r), then the commit finished r
+    proposes = [i for i, o in enumerate(draft.order) if o == f"Propose:{r.id}"]
+    release = draft.order.index(f"Release:{r.id}")
+    assert len(proposes) == 3 and proposes[-1] < release
+    assert draft.order[release - 1] == "Propose done", draft.order
+
+
+def test_a_failed_overlapped_propose_degrades_then_resyncs_and_resumes(monkeypatch):
+    async def main():
+        target, draft = FakeTarget(), Draft(fail_from=2)      # round 2's Propose, sent ahead in round 1
+        s = Scheduler(target, draft, {2}, draft_timeout_s=3.0)
+        r = request(s, max_tokens=40)
+        draft.reqs = [r]
+        s.submit(r)
+        await s.step()                                  # Prefill, round 1 (4 tokens), round 2's Propose sent
+        assert r.output_ids == [NEXT] * 5 and s.ahead is not None
+        await s.step()                                  # collects the failure: round 2 without drafts
+        assert len(r.output_ids) == 6 and s.avail.degraded and r.draft.stale and s.ahead is None
+        draft.fail_from = 0
+        monkeypatch.setattr(s.avail, "retry_at", 0.0)
+        s.avail.draft_answers()
+        target.calls.clear()
+        n = len(draft.order)
+        await s.step()                                  # re-sync (Release, RecomputeRows), Propose, Verify
+        assert draft.order[n:n + 2] == ["Release:" + r.id, "Propose:" + r.id], draft.order[n:]
+        assert target.names()[:2] == ["RecomputeRows", "Verify"]
+        item = draft.calls[-1][1].items[0] if draft.calls[-1][0] == "Propose" else None
+        assert item is not None and r.stats.num_drafts == 2
+        await drive(s, [])
+        assert r.output_ids == [NEXT] * 40 and not events(r)[-1].error
+    run(main())
+
+
+def test_a_contract_error_in_an_overlapped_propose_fails_the_round():
+    async def main():
+        target, draft = FakeTarget(), Draft(fail_from=2, code=grpc.StatusCode.FAILED_PRECONDITION)
+        s = Scheduler(target, draft, {2})
+        r = request(s)
+        draft.reqs = [r]
+        s.submit(r)
+        await s.step()
+        await s.step()
+        assert r.finished and events(r)[-1].error[0] == grpc.StatusCode.FAILED_PRECONDITION
+        assert s.avail.degraded is None and not s.running
+    run(main())
+
+
+def test_a_request_cancelled_between_overlapped_rounds_is_freed_after_its_propose():
+    async def main():
+        target, draft = FakeTarget(), Draft(delay=0.05)
+        s = Scheduler(target, draft, {2})
+        a, b = request(s, max_tokens=40), request(s, (6, 7), max_tokens=40)
+        draft.reqs = [a, b]
+        s.submit(a), s.submit(b)
+        await s.step()                                  # round 1; round 2's Propose (a, b) in flight
+        s.cancel(a)                                     # client gone now
+        assert a.finished and a not in s.running
+        assert f"Release:{a.id}" not in draft.order     # not while the Propose naming it runs
+        await s.step()
+        await asyncio.sleep(0.05)
+        release = draft.order.index(f"Release:{a.id}")
+        assert draft.order.index("Propose done") < release
+        verify = [c[1] for c in target.calls if c[0] == "Verify"][-1]
+        assert [it.request_id for it in verify.items] == [b.id] and len(b.output_ids) > 5
+    run(main())
+
+
+def test_a_round_planned_before_the_commit_counts_the_uncommitted_tokens():
+    async def main():
+        target, draft = FakeTarget(), Draft()
+        s = Scheduler(target, draft, {2})
+        r = request(s, (3, 4, 5), max_tokens=100, k=3)
+        r.max_model_len = 9                             # after round 1 (8 tokens held) room for 1 draft
+        draft.reqs = [r]
+        s.submit(r)
+        await s.step()
+        await asyncio.sleep(0)
+        ks = [it.num_draft_tokens for c in draft.calls if c[0] == "Propose" for it in c[1].items]
+        assert ks[:2] == [3, 1], ks
+    run(main())
