@@ -72,9 +72,11 @@ async def send(s: Scheduler, spec: list[GenRequest], feed: list[GenRequest]) -> 
                  {r.id for r in spec + feed})
     s.proposing.append(p)
     p.task.add_done_callback(lambda _: _answered(s, p))
+    if getattr(s.draft.Propose, "inline", False):   # computes when run (tandem/inprocess.py): it starts where
+        return p                                     # the round collects it, not before the commit
     await asyncio.wait([sent, p.task], return_when=asyncio.FIRST_COMPLETED)   # on its way
     if begin is None:
-        await asyncio.sleep(0)          # let the call start before the caller goes on
+        await asyncio.sleep(0)          # a unary call starts on the loop's next turn
     return p
 
 

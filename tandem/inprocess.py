@@ -66,6 +66,7 @@ class Stub:
 
         async def call(request, timeout: float | None = None, **_):
             return handler(request, _Context())
+        call.inline = True          # computes when awaited, blocking the loop (gateway/proposals.py)
         return call
 
 

@@ -1,0 +1,86 @@
+"""gateway/text.py: incremental detokenization gives, token by token, exactly what decoding the whole output
+gives (emitted text, stop strings, held-back tails, split UTF-8), for the bundled byte-level tokenizer and a
+SentencePiece-style one (a decoder that strips the leading space of its first token), while each token costs a
+short window's decode, not the whole output's."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models
+
+from gateway.text import TextStream
+from infra.paths import default_model_dir as default_model
+
+TEXTS = ["def f(x):\n    return x  # héllo wörld 😀 中文字符\n\tif x:\n", "a" * 50,
+         "😀😀🎉 naïve café — “quotes” ∑∫ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢\r\n\n\n  x", "\n", " \u200d\u0301e\u0301 "]
+
+
+def reference(tokenizer, ids: list[int], stop: list[str]) -> tuple[list[str], bool, str]:
+    """The text stream by whole decodes: per token its delta, whether a stop string ended it, the flush."""
+    stop = [s for s in stop if s]
+    hold, sent, out = max((len(s) for s in stop), default=1) - 1, 0, []
+    for n in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:n])
+        hits = [i for i in (text.find(s, max(0, sent - hold)) for s in stop) if i >= 0]
+        end = min(hits) if hits else max(0, len(text) - hold)
+        while not hits and end > sent and text[end - 1] == "\ufffd":
+            end -= 1
+        out.append(text[sent:end])
+        sent = max(sent, end)
+        if hits:
+            return out, True, ""
+    return out, False, tokenizer.decode(ids)[sent:]
+
+
+def stream(tokenizer, ids: list[int], stop: list[str]) -> tuple[list[str], bool, str]:
+    s, out = TextStream(tokenizer, stop), []
+    for t in ids:
+        delta, stopped = s.add([t])
+        out.append(delta)
+        if stopped:
+            return out, True, ""
+    return out, False, s.flush()
+
+
+def metaspace() -> Tokenizer:
+    words = ["▁hello", "▁world", "lo", "▁", "▁a", "b", "▁é", "😀", "\n", "▁\n"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="▁"))
+    tok.decoder = decoders.Metaspace()
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["bundled", "metaspace"])
+def test_incremental_text_equals_whole_decodes(kind):
+    tok = Tokenizer.from_file(str(default_model() / "tokenizer.json")) if kind == "bundled" else metaspace()
+    rng, vocab = random.Random(0), tok.get_vocab_size()
+    cases = [tok.encode(t).ids for t in TEXTS] if kind == "bundled" else []
+    cases += [[rng.randrange(vocab) for _ in range(rng.randrange(1, 80))] for _ in range(150)]
+    for i, ids in enumerate(cases):
+        stop = [[], ["\n"], ["return", "😀"], ["zz", "  "], ["é"]][i % 5]
+        assert stream(tok, ids, stop) == reference(tok, ids, stop), (i, ids, stop)
+
+
+def test_a_token_costs_a_short_decode_not_the_whole_output():
+    tok = Tokenizer.from_file(str(default_model() / "tokenizer.json"))
+
+    class Counting:
+        decoded = 0
+
+        def decode(self, ids):
+            Counting.decoded += len(ids)
+            return tok.decode(ids)
+    ids = tok.encode(TEXTS[0] * 60).ids                    # ~1500 tokens, emoji and CJK split across tokens
+    s = TextStream(Counting(), ["never appears"])
+    text = "".join(s.add([t])[0] for t in ids) + s.flush()
+    assert text == tok.decode(ids)
+    assert Counting.decoded <= 8 * len(ids), (Counting.decoded, len(ids))    # whole decodes: ~len(ids)^2 / 2
+
+
+def test_a_stop_string_longer_than_the_text_so_far_is_never_half_emitted():
+    class Chars:                                           # one character a token
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+    s = TextStream(Chars(), ["qabzzz"])
+    out = [s.add([ord(c)]) for c in "qabzzz"]
+    assert "".join(d for d, _ in out) == "" and out[-1][1]    # was "q": text[:len - hold] went negative
