@@ -191,7 +191,7 @@ BENCHES = {"acceptance": "tandem.bench:acceptance", "speed": "tandem.bench_speed
            "steps": "tandem.bench_steps:main",
            "heldout": "tandem.bench_heldout:main", "nextline": "tandem.bench_nextline:main",
            "prefill": "tandem.bench_prefill:main", "prefill-speed": "tandem.bench_prefill_speed:main",
-           "rows": "tandem.bench_rows:main"}
+           "rows": "tandem.bench_rows:main", "gateway": "tandem.bench_gateway:main"}
 
 
 def main(argv=None) -> int:

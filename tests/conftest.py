@@ -129,3 +129,29 @@ def prefill_then_decode(model, ids: list[int], prefill: int, block_size: int = 1
 def _deterministic():
     torch.manual_seed(1234)
     yield
+
+
+# --- leaving the test process -------------------------------------------------------------------------
+# A background thread blocked in a C++ call (a bridge channel's store client retrying a connect for up to its
+# timeout, a channel a test left to a peer it killed) that returns while the interpreter finalizes is ended
+# by pthread_exit through C++ frames: "terminate called without an active exception", exit code 134 after
+# every test passed. So once pytest is done, the exit handlers run and the process leaves without
+# finalizing the interpreter, with pytest's own exit status.
+_EXIT = {}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT["status"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    if "status" in _EXIT and not hasattr(config, "workerinput"):
+        import atexit
+        import os
+        import sys
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT["status"])

@@ -211,3 +211,15 @@ def test_bench_speed_fixed_and_adaptive_repeats(tmp_path):
     assert 0 <= rows[-1]["mean_k"] <= 2
     served = [line.split()[4] for line in proc.stdout.splitlines() if line.startswith("served ")]
     assert served == ["fixed", "fixed", "adaptive", "adaptive", "fixed", "fixed"], served   # order reversed in repeat 2
+
+
+def test_bench_gateway_commits_every_token(tmp_path):
+    """`tandem bench gateway`: the Scheduler over services that answer at once, each request to its last token."""
+    out = tmp_path / "gw.json"
+    proc = subprocess.run([sys.executable, "-m", "tandem", "bench", "gateway", "--batches", "1,4", "--output-tokens",
+                           "40", "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["batch"], r["output_tokens"]) for r in rows] == [(1, 40), (4, 40)]
+    for r in rows:      # ~1 + 0.92 + 0.66 + 0.24 tokens a round with the R1-like profile: far fewer rounds than tokens
+        assert 5 < r["rounds"] < 30 and r["ms_per_round"] > 0, r

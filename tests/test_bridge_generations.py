@@ -103,12 +103,14 @@ def test_the_target_pairs_with_a_restarted_draft(target_dev, draft_dev, want, tr
         assert draft.stdout.readline().strip() == "generation 2"
     finally:
         kill(draft)
+        target.close()                  # its threads stop (none is left to wake during interpreter exit)
 
 
 @pytest.mark.parametrize("target_dev, draft_dev, want, transport", PAIRS)
 def test_the_draft_joins_a_restarted_target(target_dev, draft_dev, want, transport):
     addr = address()
     target = peer("sender", addr, 1, target_dev, want)
+    draft = None
     try:
         draft = RowChannel(addr, "receiver", want, draft_dev, hello=HELLO, timeout_s=60)
         until(lambda: draft.ready, 60, "connected")
@@ -119,4 +121,6 @@ def test_the_draft_joins_a_restarted_target(target_dev, draft_dev, want, transpo
         until(lambda: draft.state() == (transport, 1), 60, "joined the restarted target")
         assert torch.equal(take(draft, 7).cpu(), ROWS)
     finally:
+        if draft is not None:
+            draft.close()
         kill(target)

@@ -114,10 +114,21 @@ def pair(sender_backend: str, receiver_backend: str):
     hello = {"model_identity": "sha256:aaaa", "contract_version": CONTRACT_VERSION}
     sender = RowChannel(addr, "sender", sender_backend, hello=hello, timeout_s=30)
     receiver = RowChannel(addr, "receiver", receiver_backend, hello=dict(hello), timeout_s=30)
+    OPEN.extend([sender, receiver])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not ((sender.ready and receiver.ready) or (sender.error and receiver.error)):
         time.sleep(0.05)          # polling the channels' background connect
     return sender, receiver
+
+
+OPEN: list[RowChannel] = []     # the channels pair() made, closed after each test
+
+
+@pytest.fixture(autouse=True)
+def close_channels():
+    yield
+    while OPEN:
+        OPEN.pop().close()
 
 
 def test_auto_on_cpu_is_gloo_and_carries_empty_and_bf16_frames():

@@ -80,10 +80,21 @@ def pair(target_hello: dict, draft_hello: dict):
     addr = f"127.0.0.1:{free_port()}"
     sender = RowChannel(addr, "sender", hello=target_hello, timeout_s=30)
     receiver = RowChannel(addr, "receiver", hello=draft_hello, timeout_s=30)
+    OPEN.extend([sender, receiver])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not ((sender.ready and receiver.ready) or (sender.error and receiver.error)):
         time.sleep(0.05)          # polling the channels' background connect
     return sender, receiver
+
+
+OPEN: list[RowChannel] = []     # the channels pair() made, closed after each test
+
+
+@pytest.fixture(autouse=True)
+def close_channels():
+    yield
+    while OPEN:
+        OPEN.pop().close()
 
 
 def test_bridge_pairs_the_same_model():

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from datetime import timedelta
 
 import torch
@@ -82,6 +81,7 @@ class Generations:
         self._latest = 0                              # target: the newest join its watcher saw
         self._waiting: str | None = None              # target: the store key its thread waits for now
         self._broken = threading.Event()              # draft: take() found this generation broken
+        self._closed = threading.Event()              # close(): the background threads stop
 
     @property
     def ready(self) -> bool:
@@ -90,6 +90,15 @@ class Generations:
     def state(self) -> tuple[str, int]:
         """(the transport connected now, "" while none is; the generation) as GetInfo reports them."""
         return (self.transport or "") if self.ready else "", self.generation
+
+    def close(self) -> None:
+        """Stop joining and serving (a thread in a store call stops when the call returns) and close the link."""
+        self._closed.set()
+        self._broken.set()
+        with self._cond:
+            self._latest = max(self._latest, self.generation + 1)      # wakes the sender's wait
+            self._cond.notify_all()
+        self._close()
 
     def _run(self):
         if self.device.type == "cuda":
@@ -100,10 +109,12 @@ class Generations:
     def _sender_loop(self):
         """Target: serve the newest draft that joined, one generation at a time."""
         threading.Thread(target=self._watch_joins, daemon=True, name="bridge-joins").start()
-        while True:
+        while not self._closed.is_set():
             with self._cond:
                 self._cond.wait_for(lambda: self._latest > self.generation)
                 gen = self._latest
+            if self._closed.is_set():
+                return
             try:
                 self._connect(gen)
                 if self._link.ipc is not None:       # IPC: nothing to serve until a newer draft joins
@@ -121,7 +132,7 @@ class Generations:
         """Target: see a newer join; wake the store wait the sender's thread is in (own client: a store
         client runs one operation at a time, and that thread's may be a long wait)."""
         client = tcp_store(self._host, self._port, 2, False, self._timeout)
-        while True:
+        while not self._closed.is_set():
             try:
                 latest = int(client.add(JOINS, 0))
                 with self._cond:
@@ -133,11 +144,11 @@ class Generations:
                     client.compare_set(key, "", WAKE)     # only where the draft has not written it
             except Exception:                             # the watcher must outlive any surprise
                 log.exception("bridge sender: watching for new drafts failed")
-            time.sleep(JOIN_POLL_S)
+            self._closed.wait(JOIN_POLL_S)
 
     def _receiver_loop(self):
         """Draft: join, keep the generation until it breaks, join again (after a target restart: its new store)."""
-        while True:
+        while not self._closed.is_set():
             try:
                 if self._store is None:
                     store = tcp_store(self._host, self._port, 2, False, self._timeout)
@@ -147,6 +158,8 @@ class Generations:
                 while not self._broken.wait(KEEPALIVE_S):
                     with self._lock:
                         self._store.check([JOINS])   # raises once the target's store is gone
+                if self._closed.is_set():
+                    return
                 log.warning("bridge receiver: generation %d broke (%s); joining again", self.generation, self.error)
             except (HandshakeError, TransportError) as e:
                 self._failed(e)                      # another model or transport: joining again cannot help
@@ -156,7 +169,7 @@ class Generations:
             self._close()
             with self._lock:
                 self._store = None                   # a new client: the old one may be out of step or dead
-            time.sleep(REJOIN_S)
+            self._closed.wait(REJOIN_S)
 
     def _connect(self, gen: int) -> None:
         """Handshake and open a transport under generation `gen`'s keys, as at start-up."""
