@@ -1,7 +1,7 @@
 """Continuous batching of speculative rounds: Prefill new requests, then Propose -> Verify -> commit.
 
-While nothing waits for the draft's attention first (new requests, chunks, re-syncs), rounds overlap: the next
-round's Propose goes out as soon as a Verify answers, before that round's commit (gateway/proposals.py).
+While no prefill chunk or re-sync waits for the draft first, rounds overlap: the next round's Propose goes
+out as soon as a Verify answers, before that round's commit (gateway/proposals.py).
 Requests join between rounds and leave as they finish; with a token budget a long prompt is prefilled in
 chunks, one Prefill per step before the round (gateway/chunking.py). Tokens are committed only from the
 target's answers. A draft that fails (other than a contract error) costs speed, not tokens: its
@@ -212,11 +212,10 @@ class Scheduler:
             self._commit_all(batch, vresp.results)
 
     def _overlaps(self, batch: list[GenRequest]) -> bool:
-        """Whether the next round's Propose goes out before this round commits: only while the draft
-        speculates and nothing is waiting for the draft's attention first (new requests, prefill chunks,
-        requests to re-sync), which a sequential round handles."""
-        return (self.overlap and self._speculating and not self.waiting and not self.prefilling
-                and not self.feed and not any(r.draft.stale for r in batch))
+        """Whether the next round's Propose goes out before this round commits: while the draft speculates
+        and no prefill chunk or re-sync waits for it first. New requests are prefilled while that Propose
+        runs; their first Propose (the prompt) follows in the round that collects it."""
+        return self.overlap and self._speculating and not self.feed and not any(r.draft.stale for r in batch)
 
     def _commit_all(self, batch: list[GenRequest], results) -> None:
         for r, res in zip(batch, results):

@@ -59,9 +59,17 @@ def test_overlapped_rounds_propose_before_the_commit_and_change_no_output():
         target, draft = FakeTarget(), Draft()
         s = Scheduler(target, draft, {2}, overlap=overlap)
         reqs = [request(s, (3, 4, 5 + i), max_tokens=13 + i, k=2 + i % 2) for i in range(3)]
-        draft.reqs = reqs
-        await drive(s, reqs)
-        return reqs, draft
+        late = request(s, (9, 9), max_tokens=11, k=3)
+        draft.reqs = reqs + [late]
+        for r in reqs:
+            s.submit(r)
+        await s.step()
+        assert (s.ahead is not None) == overlap
+        s.submit(late)                      # arrives while (overlapped) round 2's Propose is out: prefilled
+        await s.step()                      # meanwhile, then its first Propose (the prompt) in round 2
+        assert late.stats.num_drafts == 1 and late.output_ids[:1] == [NEXT]
+        await drive(s, [])
+        return reqs + [late], draft
     serial, d0 = run(main(False))
     overlapped, d1 = run(main(True))
     for a, b in zip(serial, overlapped):
