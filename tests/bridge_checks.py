@@ -2,9 +2,11 @@
 it against raw target and draft stubs. A helper, not a test file."""
 from __future__ import annotations
 
+import socket
 import time
 
 import grpc
+import pytest
 
 from tandem.v1 import common_pb2, draft_pb2, rows_pb2, target_pb2
 
@@ -43,3 +45,31 @@ def assert_bridge_contract(target, draft, rid: str, prompt: list[int]):
     else:
         raise AssertionError(f"request {rid!r}: a Propose with {len(prompt) - 1} rows for {len(prompt)} was accepted")
     return rows, item
+
+
+OPEN: list = []          # the channels channel_pair() made, closed after each test (close_channels)
+
+
+def channel_pair(sender_hello: dict, receiver_hello: dict, sender_backend: str = "auto",
+                 receiver_backend: str = "auto", timeout_s: float = 30.0):
+    """A target (sender) and a draft (receiver) RowChannel in this process on a free port, once both
+    connected or both failed. A test file that uses it imports `close_channels` too (autouse)."""
+    from services.bridge.channel import RowChannel
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    sender = RowChannel(addr, "sender", sender_backend, hello=sender_hello, timeout_s=timeout_s)
+    receiver = RowChannel(addr, "receiver", receiver_backend, hello=receiver_hello, timeout_s=timeout_s)
+    OPEN.extend([sender, receiver])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not ((sender.ready and receiver.ready) or (sender.error and receiver.error)):
+        time.sleep(0.05)          # polling the channels' background connect
+    return sender, receiver
+
+
+@pytest.fixture(autouse=True)
+def close_channels():
+    """After each test: its channels' background threads stop (none is left to wake during interpreter exit)."""
+    yield
+    while OPEN:
+        OPEN.pop().close()

@@ -9,12 +9,11 @@ itself needs CUDA: tests/test_gpu_bridge.py.
 from __future__ import annotations
 
 import os
-import socket
-import time
 
 import pytest
 import torch
 
+from bridge_checks import channel_pair, close_channels  # noqa: F401 (close_channels: autouse)
 from services.bridge.channel import RowChannel
 from services.bridge.transport import TransportError, choose_transport, endpoint
 from services.bridge.rows import CONTRACT_VERSION, DTYPE_TO_PB, PB_TO_DTYPE
@@ -108,27 +107,8 @@ def test_shared_memory_ring_carries_frames_and_reports_overwritten_ones():
 
 # --- the channel agrees on CPU ------------------------------------------------------------------------
 def pair(sender_backend: str, receiver_backend: str):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
     hello = {"model_identity": "sha256:aaaa", "contract_version": CONTRACT_VERSION}
-    sender = RowChannel(addr, "sender", sender_backend, hello=hello, timeout_s=30)
-    receiver = RowChannel(addr, "receiver", receiver_backend, hello=dict(hello), timeout_s=30)
-    OPEN.extend([sender, receiver])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not ((sender.ready and receiver.ready) or (sender.error and receiver.error)):
-        time.sleep(0.05)          # polling the channels' background connect
-    return sender, receiver
-
-
-OPEN: list[RowChannel] = []     # the channels pair() made, closed after each test
-
-
-@pytest.fixture(autouse=True)
-def close_channels():
-    yield
-    while OPEN:
-        OPEN.pop().close()
+    return channel_pair(hello, dict(hello), sender_backend, receiver_backend)
 
 
 def test_auto_on_cpu_is_gloo_and_carries_empty_and_bf16_frames():

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import time
 
 import pytest
 import torch
 
 from cluster import Cluster, ClusterError, make_checkpoint
-from services.bridge.channel import RowChannel
+from bridge_checks import channel_pair, close_channels  # noqa: F401 (close_channels: autouse)
 from services.bridge.rows import CONTRACT_VERSION
 from services.identity import model_identity, safetensors_header, weight_files
 
@@ -70,31 +68,8 @@ def test_identity_reads_headers_only(ckpt, tmp_path):
 
 
 # --- the bridge handshake -------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pair(target_hello: dict, draft_hello: dict):
-    addr = f"127.0.0.1:{free_port()}"
-    sender = RowChannel(addr, "sender", hello=target_hello, timeout_s=30)
-    receiver = RowChannel(addr, "receiver", hello=draft_hello, timeout_s=30)
-    OPEN.extend([sender, receiver])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not ((sender.ready and receiver.ready) or (sender.error and receiver.error)):
-        time.sleep(0.05)          # polling the channels' background connect
-    return sender, receiver
-
-
-OPEN: list[RowChannel] = []     # the channels pair() made, closed after each test
-
-
-@pytest.fixture(autouse=True)
-def close_channels():
-    yield
-    while OPEN:
-        OPEN.pop().close()
+    return channel_pair(target_hello, draft_hello, "gloo", "gloo")
 
 
 def test_bridge_pairs_the_same_model():
