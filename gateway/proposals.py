@@ -39,11 +39,9 @@ class Proposal:
     spec: list[GenRequest]          # the requests drafted for, each with its round_k() at send time
     feed: list[GenRequest]          # prefill chunks given to the draft in the same call (no drafts)
     task: asyncio.Future            # the Propose call
-    t0: float                       # perf_counter() when it was sent
     by_deadlines: bool              # its timeout came from the requests' deadlines
     ids: set[str] = field(default_factory=set)
     deferred: list[str] = field(default_factory=list)   # finished meanwhile: draft Release once it answers
-    done_at: float = 0.0
 
 
 async def send(s: Scheduler, spec: list[GenRequest], feed: list[GenRequest]) -> Proposal:
@@ -68,8 +66,7 @@ async def send(s: Scheduler, spec: list[GenRequest], feed: list[GenRequest]) -> 
                     sent.set_result(None)
             return await answer
 
-    p = Proposal(spec, feed, asyncio.ensure_future(call()), time.perf_counter(), by_deadlines,
-                 {r.id for r in spec + feed})
+    p = Proposal(spec, feed, asyncio.ensure_future(call()), by_deadlines, {r.id for r in spec + feed})
     s.proposing.append(p)
     p.task.add_done_callback(lambda _: _answered(s, p))
     if getattr(s.draft.Propose, "inline", False):   # computes when run (tandem/inprocess.py): it starts where
@@ -82,7 +79,6 @@ async def send(s: Scheduler, spec: list[GenRequest], feed: list[GenRequest]) -> 
 
 def _answered(s: Scheduler, p: Proposal) -> None:
     """The call is over (answered, failed or cancelled): release what finished while it ran."""
-    p.done_at = time.perf_counter()
     s.proposing.remove(p)
     if not p.task.cancelled():
         p.task.exception()              # retrieved here; collect() raises it again where it is awaited

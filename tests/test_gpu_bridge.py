@@ -143,7 +143,7 @@ def test_ipc_bridge_between_two_processes_on_one_gpu():
         s = snd.result(120)
         assert "error" not in s, s
         assert s["transport"] == "ipc", s
-        assert s["fits_big"] is False and "exceed a CUDA IPC slot of 1048576 bytes" in s["refused"], s
+        assert s["fits_big"] is False and "exceed a CUDA IPC ring slot of 1048576 bytes" in s["refused"], s
         rcv.p.stdin.write("go\n")
         rcv.p.stdin.flush()
         r = rcv.result(120)

@@ -42,6 +42,7 @@ from services.bridge.transport import TRANSPORTS
 PARK_TTL_S = 120.0
 RINGS_SENT = (IpcSender, ShmSender)               # transports that push frames into a ring (no pulls)
 RINGS_TAKEN = (IpcReceiver, ShmReceiver)
+RING_NAMES = {"ipc": "CUDA IPC", "shm": "shared-memory"}
 
 
 class RowChannel(Generations):
@@ -70,9 +71,9 @@ class RowChannel(Generations):
         them until pulled; IPC pushes them into their ring slot now (no pull round trip later).
         ValueError when they do not fit the transport (ask `fits` first: the caller sends them inline)."""
         if not self.fits(rows):
+            ring = RING_NAMES.get(self.transport, self.transport)
             raise ValueError(f"hidden rows transfer {transfer_id}: {rows.numel() * rows.element_size()} bytes "
-                             f"({rows.shape[0]} rows) exceed a {self.transport} ring slot of "
-                             f"{self._link.ipc.slot_bytes} bytes")
+                             f"({rows.shape[0]} rows) exceed a {ring} ring slot of {self._link.ipc.slot_bytes} bytes")
         ready = None
         if self._stream is not None and rows.is_cuda:   # the rows are complete once the caller's stream is
             ready = torch.cuda.Event()
