@@ -39,7 +39,7 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
     listen with TLS, and with its CA require client certificates (mutual TLS)."""
     from infra import tls as tls_mod, tracing
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_bytes),
-                         interceptors=tracing.server_interceptors())
+                         interceptors=[InternalErrors()] + tracing.server_interceptors())
     register(server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -59,6 +59,50 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
     health_servicer.enter_graceful_shutdown()
     server.stop(grace=2).wait()
     log.info("stopped")
+
+
+class InternalErrors(grpc.ServerInterceptor):
+    """A handler's unexpected exception (a CUDA out-of-memory, a bug) ends the call INTERNAL, naming the
+    method and the error, with the traceback in this service's log: gRPC's own answer would be UNKNOWN
+    ("Exception calling application" / "Exception iterating responses"), which says nothing. A call the
+    handler aborted itself (context.abort: its code is set) keeps its status."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None:
+            return handler
+        method = details.method.lstrip("/")
+
+        def fail(context, e: Exception):
+            if context.code() is not None:          # context.abort already chose the status
+                raise e
+            log.exception("%s failed", method)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error in the service "
+                                                    f"({type(e).__name__}: {e})"[:2000])
+
+        def wrap(inner, streaming: bool):
+            if inner is None:
+                return None
+            if streaming:
+                def behavior(request, context):
+                    try:
+                        yield from inner(request, context)
+                    except Exception as e:
+                        fail(context, e)
+            else:
+                def behavior(request, context):
+                    try:
+                        return inner(request, context)
+                    except Exception as e:
+                        fail(context, e)
+            pool = getattr(inner, "experimental_thread_pool", None)   # a stream's own threads (servicer.py)
+            if pool is not None:
+                behavior.experimental_thread_pool = pool
+            return behavior
+        return handler._replace(unary_unary=wrap(handler.unary_unary, False),
+                                unary_stream=wrap(handler.unary_stream, True),
+                                stream_unary=wrap(handler.stream_unary, False),
+                                stream_stream=wrap(handler.stream_stream, True))
 
 
 def abort(context, code: str, message: str):

@@ -1,0 +1,61 @@
+"""A service handler's unexpected exception (a CUDA out-of-memory, a bug) reaches the caller as INTERNAL naming
+the method and the error, on unary calls and on streams; a handler's own abort keeps its status. A real gRPC
+server with the services' interceptor, a real channel."""
+from concurrent import futures
+
+import grpc
+import pytest
+
+from infra.grpc_server import InternalErrors
+
+
+def _echo(request: bytes, context):
+    if request == b"boom":
+        raise RuntimeError("CUBLAS_STATUS_ALLOC_FAILED")
+    if request == b"bad":
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "items is empty")
+    return request
+
+
+def _stream(requests, context):
+    for r in requests:
+        yield _echo(r, context)
+
+
+@pytest.fixture
+def channel():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[InternalErrors()])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.Svc", {
+        "Echo": grpc.unary_unary_rpc_method_handler(_echo),
+        "EchoStream": grpc.stream_stream_rpc_method_handler(_stream)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        yield ch
+    server.stop(None)
+
+
+def test_unary_exception_is_internal(channel):
+    call = channel.unary_unary("/t.Svc/Echo")
+    assert call(b"hi", timeout=10) == b"hi"
+    with pytest.raises(grpc.RpcError) as e:
+        call(b"boom", timeout=10)
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert "t.Svc/Echo" in e.value.details() and "RuntimeError: CUBLAS_STATUS_ALLOC_FAILED" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        call(b"bad", timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == "items is empty"
+
+
+def test_stream_exception_is_internal(channel):
+    call = channel.stream_stream("/t.Svc/EchoStream")
+    replies = call(iter([b"a", b"b", b"boom", b"c"]), timeout=10)
+    assert next(replies) == b"a" and next(replies) == b"b"
+    with pytest.raises(grpc.RpcError) as e:
+        next(replies)
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "t.Svc/EchoStream" in e.value.details()
+    replies = call(iter([b"a", b"bad"]), timeout=10)
+    assert next(replies) == b"a"
+    with pytest.raises(grpc.RpcError) as e:
+        next(replies)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
