@@ -1,21 +1,18 @@
 """One entry point per kernel: the Triton kernel when its tensors are on CUDA and Triton imports, else the
 PyTorch reference. Callers (services, models) import from here.
 
-TANDEM_KERNELS=auto (default) | reference | triton forces the choice, read at each call:
-  reference  the PyTorch reference everywhere;
-  triton     the Triton kernel everywhere (an error if Triton does not import; CPU tensors need
-             TRITON_INTERPRET=1 set before the kernels are first imported: the interpreter, for tests).
-The two agree exactly (tests/test_triton_kernels.py), so the choice changes speed, never tokens.
-
-The model's kernels (paged MLA attention, fused MoE: tests/test_model_kernels.py) follow the same switch;
-they agree with their references to rounding, not bit for bit. TANDEM_ATTENTION=auto (default) |
-reference | triton | flashinfer picks the attention backend on its own: auto is FlashInfer where it
-imports and covers the shapes, else whatever TANDEM_KERNELS picks.
+TANDEM_KERNELS=auto (default) | reference | triton forces the choice, read at each call: reference everywhere,
+or Triton everywhere (an error if it does not import; CPU tensors need TRITON_INTERPRET=1 set before the kernels
+are first imported: the interpreter, for tests). The two agree exactly (tests/test_triton_kernels.py), so the
+choice changes speed, never tokens. The model's kernels (paged MLA attention, fused MoE:
+tests/test_model_kernels.py) follow the same switch and agree with their references to rounding.
+TANDEM_ATTENTION=auto (default) | reference | triton | flashinfer picks the attention backend on its own: auto
+is FlashInfer where it imports and covers the shapes, else whatever TANDEM_KERNELS picks.
 
 Prefill steps (eager, some request bringing more than PREFILL_MIN_ROWS query rows) take their own path:
 TANDEM_PREFILL=auto (default) | off | absorbed | expanded. absorbed: the flash-style Triton kernel over the
 latent cache (kernels/triton_mla_prefill.py); expanded: keys and values up-projected per head, then causal
-attention (kernels/mla_expanded.py); off: the paged attention above, as decode and verify steps. auto is
+attention (kernels/mla_expanded.py); off: the paged attention, as decode and verify steps. auto is
 PREFILL_AUTO on CUDA wherever the attention backend is not the reference, off elsewhere. Decode, verify and
 CUDA-graph steps (a forced AttentionBatch.attention_backend) never take it.
 """
@@ -36,12 +33,10 @@ from kernels import rows as _ref_rows
 from kernels import speculative as _ref_spec
 from kernels.speculative import argmax_rows, sampling_probs  # noqa: F401  (no Triton kernel: always the reference)
 
-__all__ = ["sampling_probs", "rms_norm", "rotary", "route", "greedy_verify", "rejection_sample", "pad_rows",
-           "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla", "paged_attention", "moe_path", "chain_verifier",
-           "prefill_form", "prefill_attention", "expanded_attention",
-           "fp8_linear",
-           "attention_backend", "use_triton", "use_triton_forced",
-           "triton_available", "mode"]
+__all__ = ["sampling_probs", "rms_norm", "silu_mul", "rotary", "route", "greedy_verify", "rejection_sample",
+           "pad_rows", "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla", "paged_attention", "moe_path",
+           "chain_verifier", "prefill_form", "prefill_attention", "expanded_attention", "fp8_linear",
+           "attention_backend", "use_triton", "use_triton_forced", "triton_available", "mode"]
 
 log = logging.getLogger("tandem.kernels")
 ENV = "TANDEM_KERNELS"
@@ -153,7 +148,7 @@ def prefill_form(q_pe: torch.Tensor, ckv: torch.Tensor, batch) -> str | None:
 def prefill_attention(q_lat, q_pe, batch, ckv, kpe, scale: float) -> torch.Tensor:
     """The absorbed form of a prefill step (kernels/triton_mla_prefill.py): q_lat [N, h, R], q_pe [N, h, P]
     -> [N, h, R], as paged_attention."""
-    tm = importlib.import_module("kernels.triton_mla_prefill")
+    tm = _mod("triton_mla_prefill")
     block_m = tm.block_sizes(q_lat.shape[1])[0]
     if ("prefill_tiles", block_m) not in batch.plans:      # once per step, shared by every layer
         batch.plans[("prefill_tiles", block_m)] = tm.plan_tiles(batch.query_lens, batch.host_starts,
@@ -166,8 +161,7 @@ def prefill_attention(q_lat, q_pe, batch, ckv, kpe, scale: float) -> torch.Tenso
 def expanded_attention(q_nope, q_pe, batch, ckv, kpe, w_kv, scale: float) -> torch.Tensor:
     """The expanded form of a prefill step (kernels/mla_expanded.py): q_nope [N, h, nope], q_pe [N, h, P],
     w_kv [h, nope + v, R] -> [N, h, v]."""
-    return importlib.import_module("kernels.mla_expanded").expanded_attention(q_nope, q_pe, batch, ckv, kpe,
-                                                                             w_kv, scale)
+    return _mod("mla_expanded").expanded_attention(q_nope, q_pe, batch, ckv, kpe, w_kv, scale)
 
 
 def _inference(*ts: torch.Tensor) -> bool:
@@ -175,18 +169,28 @@ def _inference(*ts: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() or not any(t.requires_grad for t in ts)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D], weight [D] -> RMSNorm(x) (kernels/norm.py), one launch in Triton."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pad: int = 0):
+    """x [..., D], weight [D] -> RMSNorm(x); with residual: (s, RMSNorm(s)), s = x + residual (kernels/norm.py).
+    One launch in Triton, whose outputs are the first rows of `pad`-row buffers (kernels/triton_norm.padded)."""
     if use_triton(x) and _inference(x, weight):
-        return importlib.import_module("kernels.triton_norm").rms_norm(x, weight, eps)
+        return _mod("triton_norm").rms_norm(x, weight, eps, residual, pad)
+    if residual is not None:
+        return _ref_norm.add_rms_norm(x, residual, weight, eps)
     return _ref_norm.rms_norm(x, weight, eps)
+
+
+def silu_mul(gu: torch.Tensor, pad: int = 0) -> torch.Tensor:
+    """gu [..., 2P] (gate | up) -> silu(gate) * up [..., P]; one launch in Triton (pad as rms_norm's)."""
+    if use_triton(gu) and _inference(gu):
+        return _mod("triton_norm").silu_mul(gu, pad)
+    return _ref_norm.silu_mul(gu)
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, factor: float,
            interleave: bool) -> torch.Tensor:
     """x [N, H, R], positions [N] -> x turned by its positions (kernels/norm.py), one launch in Triton."""
     if use_triton(x) and _inference(x):
-        return importlib.import_module("kernels.triton_norm").rotary(x, positions, inv_freq, factor, interleave)
+        return _mod("triton_norm").rotary(x, positions, inv_freq, factor, interleave)
     return _ref_norm.rotary(x, positions, inv_freq, factor, interleave)
 
 
@@ -197,7 +201,7 @@ def router_logits(x: torch.Tensor, w: torch.Tensor):
     """x [N, D] . w [E, D] -> [N, E] fp32, each row's bits its own, in Triton for N <= ROUTER_ROWS (decode and
     verify steps; long prefills keep cuBLAS); None: the caller's reference."""
     if x.shape[0] <= ROUTER_ROWS and use_triton(x) and _inference(x, w):
-        return importlib.import_module("kernels.triton_router").logits(x, w)
+        return _mod("triton_router").logits(x, w)
     return None
 
 
@@ -205,7 +209,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.
     """Router logits [N, E] fp32 -> (weights [N, k] fp32, expert ids [N, k]) (kernels/router.py), one launch in
     Triton where the shapes allow it."""
     if use_triton(logits) and _inference(logits):
-        tr = importlib.import_module("kernels.triton_router")
+        tr = _mod("triton_router")
         if tr.supported(logits.shape[-1], spec):
             return tr.select(logits, bias, spec)
     return _ref_router.select(logits, bias, spec)
@@ -215,7 +219,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tenso
     """x [..., K], w [N, K] fp8 e4m3 with s [ceil(N/128), ceil(K/128)] block scales -> [..., N] in x's dtype
     (kernels/fp8.py: activations quantized per token per 128 columns); the small-M Triton GEMM on CUDA."""
     if use_triton(x) and _inference(x):
-        return importlib.import_module("kernels.triton_fp8").fp8_linear_triton(x, w, s)
+        return _mod("triton_fp8").fp8_linear_triton(x, w, s)
     return _ref_fp8.fp8_linear(x, w, s)
 
 
@@ -241,22 +245,14 @@ def use_triton_forced(x: torch.Tensor) -> None:
         raise RuntimeError(f"a Triton kernel on {x.device} tensors needs TRITON_INTERPRET=1 (the interpreter)")
 
 
-def _spec():
-    return importlib.import_module("kernels.triton_speculative")   # imported on first use: triton is heavy
-
-
-def _rows():
-    return importlib.import_module("kernels.triton_rows")
-
-
-def _dsa():
-    return importlib.import_module("kernels.triton_dsa")
+def _mod(name: str):                     # the Triton modules are imported on first use: triton is heavy
+    return importlib.import_module(f"kernels.{name}")
 
 
 def index_scores(q, w, k_cache, k_scale, block_tables, token_request, positions, context_lens, width: int):
     """V3.2 indexer scores over the paged key cache (kernels/dsa.py): q [N, H, D], w [N, H] -> [N, width]."""
     args = (q, w, k_cache, k_scale, block_tables, token_request, positions, context_lens, width)
-    return _dsa().index_scores_triton(*args) if use_triton(q) else _ref_dsa.index_scores(*args)
+    return _mod("triton_dsa").index_scores_triton(*args) if use_triton(q) else _ref_dsa.index_scores(*args)
 
 
 def sparse_mla(q_lat, q_pe, ckv, kpe, block_tables, token_request, indices, scale: float, backend: str | None = None):
@@ -265,13 +261,13 @@ def sparse_mla(q_lat, q_pe, ckv, kpe, block_tables, token_request, indices, scal
     args = (q_lat, q_pe, ckv, kpe, block_tables, token_request, indices, scale)
     if (backend or attention_backend(q_lat, q_pe, ckv)) == "reference":
         return _ref_dsa.sparse_mla(*args)
-    return _dsa().sparse_mla_triton(*args)
+    return _mod("triton_dsa").sparse_mla_triton(*args)
 
 
 def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):
     """target_ids [B, K+1], draft_ids [B, K], num_drafts [B] -> accepted [B], emitted [B, K+1]."""
     if use_triton(target_ids):
-        return _spec().greedy_verify_triton(target_ids, draft_ids, num_drafts)
+        return _mod("triton_speculative").greedy_verify_triton(target_ids, draft_ids, num_drafts)
     return _ref_spec.greedy_verify(target_ids, draft_ids, num_drafts)
 
 
@@ -280,20 +276,24 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft_ids: torch.Tensor, 
     """p [B, K+1, V], q [B, K, V], draft_ids [B, K], num_drafts [B], uniform [B, K], exp_noise [B, V]
     -> accepted [B], emitted [B, K+1]."""
     if use_triton(p):
-        return _spec().rejection_sample_triton(p, q, draft_ids, num_drafts, uniform, exp_noise)
+        return _mod("triton_speculative").rejection_sample_triton(p, q, draft_ids, num_drafts, uniform, exp_noise)
     return _ref_spec.rejection_sample(p, q, draft_ids, num_drafts, uniform, exp_noise)
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     # x: [N, D] -> [ceil(N / multiple) * multiple, D], zero rows appended
-    return _rows().pad_rows_triton(x, multiple) if use_triton(x) else _ref_rows.pad_rows(x, multiple)
+    return _mod("triton_rows").pad_rows_triton(x, multiple) if use_triton(x) else _ref_rows.pad_rows(x, multiple)
 
 
 def pad_shard_rows(x: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     # x: [N, D] -> rank's [ceil(N / tp), D] of pad_rows(x, tp)
-    return _rows().pad_shard_rows_triton(x, tp, rank) if use_triton(x) else _ref_rows.pad_shard_rows(x, tp, rank)
+    if use_triton(x):
+        return _mod("triton_rows").pad_shard_rows_triton(x, tp, rank)
+    return _ref_rows.pad_shard_rows(x, tp, rank)
 
 
 def trim_rows(gathered: torch.Tensor, n: int) -> torch.Tensor:
     # gathered: [tp * S, D] -> [n, D] (the reference returns a view, the kernel a contiguous copy)
-    return _rows().trim_rows_triton(gathered, n) if use_triton(gathered) else _ref_rows.trim_rows(gathered, n)
+    if use_triton(gathered):
+        return _mod("triton_rows").trim_rows_triton(gathered, n)
+    return _ref_rows.trim_rows(gathered, n)

@@ -1,6 +1,8 @@
 """PyTorch references of the per-token elementwise layers: RMSNorm and rotary position embedding (RoPE).
 
     rms_norm(x, w)   = w * (x / sqrt(mean(x^2) + eps)), normalized in fp32, cast to x's dtype, then scaled
+    add_rms_norm(x, r, w) = (s, rms_norm(s, w)) with s = x + r in x's dtype (a residual add and the next norm)
+    silu_mul(gu)     = silu(g) * u for gu = [g | u] (a SwiGLU's gate and up halves side by side)
     rotary(x, pos)   : each pair (x_a, x_b) of the rope dims turns by pos * inv_freq[i], times attention_factor;
                        pairs are (x_2i, x_2i+1) when interleaved (DeepSeek's MLA layout), (x_i, x_i+R/2) else
 Triton versions (kernels/triton_norm.py) do each in one launch; kernels/dispatch.py picks.
@@ -16,6 +18,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float):
+    # x, r: [..., D] -> (s = x + r, rms_norm(s)), both [..., D]
+    s = x + r
+    return s, rms_norm(s, weight, eps)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    # gu: [..., 2P] (gate | up) -> [..., P]
+    g, u = gu.chunk(2, -1)
+    return torch.nn.functional.silu(g) * u
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, factor: float,

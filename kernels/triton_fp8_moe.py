@@ -159,9 +159,10 @@ def _down_kernel(hq_ptr, hs_ptr, w_ptr, s_ptr, pair_ptr, blk_ptr, rw_ptr, out_pt
 
 def fused_moe_fp8_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                          weights: torch.Tensor, ids: torch.Tensor, first: int, block_m: int | None = None,
-                         tiles=None) -> torch.Tensor:
+                         tiles=None, add: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, D] (bf16 / fp16 / fp32), w13 [E, 2I, D] fp8, s13 [E, 2 IB, DB], w2 [E, D, I] fp8, s2 [E, DB, IB],
-    weights [N, k] fp32, ids [N, k] global expert ids, first: this rank's first expert -> [N, D] in x's dtype.
+    weights [N, k] fp32, ids [N, k] global expert ids, first: this rank's first expert -> [N, D] in x's dtype
+    (plus add [N, D] if given).
     block_m, tiles ((gate/up, down) tiles, kernels/moe_tiles.py): forced (tests, sweeps); else from shapes."""
     N, D = x.shape
     E, I2, _ = w13.shape
@@ -171,7 +172,7 @@ def fused_moe_fp8_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, 
     assert s13.shape == (E, 2 * IB, DB) and s2.shape == (E, DB, IB), (tuple(s13.shape), tuple(s2.shape))
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1 and s13.stride(2) == 1 and s2.stride(2) == 1
     if N == 0:
-        return torch.zeros(0, D, dtype=x.dtype, device=x.device)
+        return torch.zeros(0, D, dtype=x.dtype, device=x.device) if add is None else add.clone()
     block_m = block_m or moe_tiles.block_m(N, N * k, E)
     tiles = tiles or moe_tiles.moe_tiles("fp8", N, N * k, D, I, block_m)
     (bn, _, warps, stages, _), (bn2, _, warps2, stages2, split) = tiles
@@ -194,4 +195,4 @@ def fused_moe_fp8_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, 
         h, hs, w2, s2, pair_ids, block_expert, rw, part, h.stride(0), hs.stride(0), w2.stride(0), w2.stride(1),
         s2.stride(0), s2.stride(1), part.stride(0), part.stride(1), D, I, E, per // BLOCK_K, BLOCK_M=block_m,
         BLOCK_N=bn2, BLOCK_K=BLOCK_K, PRECISION=prec, num_warps=warps2, num_stages=stages2)
-    return sum_pairs(part, ids, first, E, x.dtype)
+    return sum_pairs(part, ids, first, E, x.dtype, add)

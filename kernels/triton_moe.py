@@ -91,9 +91,10 @@ def part_buffer(split: int, pairs: int, D: int, x: torch.Tensor) -> torch.Tensor
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                     ids: torch.Tensor, first: int, block_m: int | None = None, tiles=None) -> torch.Tensor:
+                     ids: torch.Tensor, first: int, block_m: int | None = None, tiles=None,
+                     add: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, D], w13 [E, 2I, D], w2 [E, D, I], weights [N, k] (fp32), ids [N, k] global expert ids,
-    first: this rank's first expert -> [N, D] in x's dtype (this rank's experts only).
+    first: this rank's first expert -> [N, D] in x's dtype (this rank's experts only), plus add [N, D] if given.
     block_m, tiles ((gate/up, down) tiles, kernels/moe_tiles.py): forced (tests, sweeps); else from shapes."""
     N, D = x.shape
     E, I2, _ = w13.shape
@@ -101,7 +102,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
     assert w13.shape == (E, 2 * I, D) and w2.shape == (E, D, I), (tuple(w13.shape), tuple(w2.shape))
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     if N == 0:
-        return torch.zeros(0, D, dtype=x.dtype, device=x.device)
+        return torch.zeros(0, D, dtype=x.dtype, device=x.device) if add is None else add.clone()
     block_m = block_m or moe_tiles.block_m(N, N * k, E)
     tiles = tiles or moe_tiles.moe_tiles("bf16", N, N * k, D, I, block_m)
     (bn, bk, warps, stages, _), (bn2, bk2, warps2, stages2, split) = tiles
@@ -119,4 +120,4 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
         h, w2, pair_ids, block_expert, rw, part, h.stride(0), w2.stride(0), w2.stride(1), part.stride(0),
         part.stride(1), D, I, E, per, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, PRECISION=prec,
         num_warps=warps2, num_stages=stages2)
-    return sum_pairs(part, ids, first, E, x.dtype)
+    return sum_pairs(part, ids, first, E, x.dtype, add)

@@ -146,8 +146,8 @@ def block_rows(pair_ptr, blk_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _sum_pairs_kernel(part_ptr, ids_ptr, y_ptr, first, E, TOPK, D, s_split, s_pair, s_yn,
-                      KP: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_pairs_kernel(part_ptr, ids_ptr, y_ptr, add_ptr, first, E, TOPK, D, s_split, s_pair, s_yn, s_an,
+                      KP: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
     # y[t, cols] = sum over K splits of (sum over t's slots s, local experts only, of part[split, t*k + s, cols]):
     # all slots loaded at once (two dependent loads, not 2k), each sum in a fixed order (no atomics)
     t = tl.program_id(0).to(tl.int64)
@@ -160,17 +160,27 @@ def _sum_pairs_kernel(part_ptr, ids_ptr, y_ptr, first, E, TOPK, D, s_split, s_pa
     for sp in tl.static_range(SPLIT):
         v = tl.load(part_ptr + sp * s_split + p[:, None] * s_pair + cols[None, :], mask=m, other=0.0)
         acc += tl.sum(v.to(tl.float32), 0)
-    tl.store(y_ptr + t * s_yn + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < D)
+    dt = y_ptr.dtype.element_ty
+    y = acc.to(dt)
+    if ADD:                                   # + add[t] (the shared experts), rounded as torch's add after the sum
+        y = (y.to(tl.float32) + tl.load(add_ptr + t * s_an + cols, mask=cols < D, other=0.0).to(tl.float32)).to(dt)
+    tl.store(y_ptr + t * s_yn + cols, y, mask=cols < D)
 
 
-def sum_pairs(part: torch.Tensor, ids: torch.Tensor, first: int, num_local: int, dtype: torch.dtype) -> torch.Tensor:
-    """part [SPLIT, N*k, D] per-pair results (rows of other ranks' pairs never written), ids [N, k] -> y [N, D]."""
+def sum_pairs(part: torch.Tensor, ids: torch.Tensor, first: int, num_local: int, dtype: torch.dtype,
+              add: torch.Tensor | None = None) -> torch.Tensor:
+    """part [SPLIT, N*k, D] per-pair results (rows of other ranks' pairs never written), ids [N, k] -> y [N, D];
+    add [N, D] (the shared experts' output): y + add, as the sum in y's dtype plus add would round."""
     split, Nk, D = part.shape
     N, k = ids.shape
     y = torch.empty(N, D, dtype=dtype, device=part.device)
     if N:
         kp = triton.next_power_of_2(k)
         block = min(triton.next_power_of_2(D), 4096 // kp)                         # a [kp, block] tile per split
-        _sum_pairs_kernel[(N, triton.cdiv(D, block))](part, ids, y, first, num_local, k, D, part.stride(0),
-                                                      part.stride(1), y.stride(0), KP=kp, SPLIT=split, BLOCK=block)
+        if add is not None:
+            assert add.shape == (N, D) and add.stride(1) == 1, (tuple(add.shape), add.stride())
+        a = add if add is not None else y
+        _sum_pairs_kernel[(N, triton.cdiv(D, block))](part, ids, y, a, first, num_local, k, D, part.stride(0),
+                                                      part.stride(1), y.stride(0), a.stride(0), KP=kp, SPLIT=split,
+                                                      BLOCK=block, ADD=add is not None)
     return y

@@ -1,9 +1,11 @@
-"""RMSNorm and rotary embedding in one Triton launch each (references: kernels/norm.py).
+"""RMSNorm (with the residual add before it), SwiGLU's silu(gate) * up and rotary embedding in one Triton launch
+each (references: kernels/norm.py).
 
 An eager RMSNorm is eight kernels (cast, square, mean, add, rsqrt, multiply, cast, scale) and an eager
 rotary about fifteen; a DeepSeek layer runs three or four norms and two rotaries, so at batch 1 these tiny
 launches cost more than the layer's attention (tandem bench profile on the H200). One program per row:
-  _rms_norm_kernel   grid (rows,): x [rows, D] -> out [rows, D]
+  _rms_norm_kernel   grid (rows,): x [rows, D] (+ r [rows, D], kept as s) -> out [rows, D]
+  _silu_mul_kernel   grid (rows, P / BLOCK): gu [rows, 2P] -> out [rows, P]
   _rotary_kernel     grid (N, H): x [N, H, R] -> out [N, H, R], angles from the position and inv_freq
 Runs compiled on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests).
 """
@@ -15,27 +17,74 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_o, D, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, s_x, s_r, s_o, s_s, D, eps, BLOCK: tl.constexpr,
+                     ADD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     m = d < D
     x = tl.load(x_ptr + row * s_x + d, mask=m, other=0.0).to(tl.float32)
+    dt = x_ptr.dtype.element_ty
+    if ADD:                                                                     # s = x + r, rounded as torch's add
+        dt = sum_ptr.dtype.element_ty
+        x = (x + tl.load(r_ptr + row * s_r + d, mask=m, other=0.0).to(tl.float32)).to(dt)
+        tl.store(sum_ptr + row * s_s + d, x, mask=m)
+        x = x.to(tl.float32)
     xn = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
     w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
-    y = w * xn.to(x_ptr.dtype.element_ty).to(tl.float32)                      # as the reference: cast, then scale
+    y = w * xn.to(dt).to(tl.float32)                                          # as the reference: cast, then scale
     tl.store(out_ptr + row * s_o + d, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def padded(rows: int, cols: int, pad: int, dtype, device) -> torch.Tensor:
+    """[rows, cols] as the first rows of a [max(rows, pad), cols] buffer: a GEMM that runs every call of fewer
+    than `pad` rows as `pad` rows (models/layers.dense_linear) takes it without a copy."""
+    return torch.empty(max(rows, pad), cols, dtype=dtype, device=device)[:rows]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             pad: int = 0):
+    """RMSNorm(x) [..., D]; with `residual`: (s, RMSNorm(s)) for s = x + residual, one launch either way. pad:
+    the outputs are the first rows of `pad`-row buffers (see padded)."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else x2
+    dt = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+    out = padded(x2.shape[0], shape[-1], pad, torch.promote_types(dt, weight.dtype), x.device)
+    s = padded(x2.shape[0], shape[-1], pad, dt, x.device) if residual is not None else out
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), shape[-1], eps,
-                                         BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4)
-    return out.view(shape)
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, s, x2.stride(0), r2.stride(0), out.stride(0),
+                                         s.stride(0), shape[-1], eps, BLOCK=triton.next_power_of_2(shape[-1]),
+                                         ADD=residual is not None, num_warps=4)
+    return (s.view(shape), out.view(shape)) if residual is not None else out.view(shape)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, s_g, s_o, P, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < P
+    g = tl.load(gu_ptr + row * s_g + c, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * s_g + P + c, mask=m, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)                         # silu rounds, then the product
+    tl.store(out_ptr + row * s_o + c, (a * u).to(dt), mask=m)
+
+
+def silu_mul(gu: torch.Tensor, pad: int = 0) -> torch.Tensor:
+    """gu [..., 2P] (gate | up) -> silu(gate) * up [..., P] in one launch; pad as rms_norm's."""
+    g2 = _rows(gu)
+    P = gu.shape[-1] // 2
+    out = padded(g2.shape[0], P, pad, gu.dtype, gu.device)
+    if g2.shape[0] and P:
+        block = min(triton.next_power_of_2(P), 1024)
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(P, block))](g2, out, g2.stride(0), out.stride(0), P,
+                                                               BLOCK=block, num_warps=4)
+    return out.view(*gu.shape[:-1], P)
 
 
 @triton.jit

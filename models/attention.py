@@ -30,7 +30,7 @@ from models.config import ModelConfig
 from models.indexer import Indexer
 from models.kv_cache import AttentionBatch, LayerKV
 from models.layers import (ColumnParallelLinear, ReplicatedLinear, RMSNorm, RotaryEmbedding,
-                           RowParallelLinear)
+                           RowParallelLinear, fused, linear)
 from models.parallel import ParallelState, SINGLE
 
 
@@ -61,14 +61,10 @@ class MLAttention(nn.Module):
             return self.forward_causal(x)
         N, h = x.shape[0], self.heads
         ckv, kpe = kv.ckv, kv.kpe
-        if hasattr(self, "q_a_proj"):
-            q_latent = self.q_a_layernorm(self.q_a_proj(x))                         # [N, q_lora]
-            q = self.q_b_proj(q_latent)
-        else:
-            q = self.q_proj(x)
+        q, q_latent, kv_a = self.project(x)
         q_nope, q_pe = q.view(N, h, -1).split([self.nope, self.rope_dim], -1)   # [N, h, nope], [N, h, P]
         q_pe = self.rotary(q_pe, batch.positions)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], -1)
+        c_kv, k_pe = kv_a.split([self.rank, self.rope_dim], -1)
         c_kv = self.kv_a_layernorm(c_kv)                                          # [N, R]
         k_pe = self.rotary(k_pe[:, None, :], batch.positions)[:, 0]               # [N, P]
         ckv.view(-1, self.rank)[batch.slot_mapping] = c_kv.to(ckv.dtype)
@@ -92,6 +88,20 @@ class MLAttention(nn.Module):
                                           picks, self.scale, batch.attention_backend)
         out = torch.einsum("nhr,hvr->nhv", out_lat, w_uv).reshape(N, h * self.v_dim)
         return self.o_proj(out)
+
+    def project(self, x: torch.Tensor):
+        # x: [N, D] -> (q [N, h * qk], q_latent [N, q_lora] | None, kv_a [N, R + P]); the two projections that read x
+        # (q_a_proj or q_proj, and kv_a_proj_with_mqa) as one GEMM where they can (layers.fused)
+        first = self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj
+        both = fused(first, self.kv_a_proj_with_mqa)
+        if both is None:
+            a, kv_a = first(x), self.kv_a_proj_with_mqa(x)
+        else:
+            a, kv_a = linear(both, x).split([first.weight.shape[0], self.rank + self.rope_dim], -1)
+        if not hasattr(self, "q_a_proj"):
+            return a, None, kv_a
+        q_latent = self.q_a_layernorm(a)                                         # [N, q_lora]
+        return self.q_b_proj(q_latent), q_latent, kv_a
 
     def forward_causal(self, x: torch.Tensor) -> torch.Tensor:
         """Training / scoring path without a cache: x [B, T, D] -> [B, T, D], expanded K/V, causal."""

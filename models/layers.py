@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,11 @@ class RMSNorm(nn.Module):
         self.weight = shard_param((dim,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dispatch.rms_norm(x, self.weight, self.eps)
+        return dispatch.rms_norm(x, self.weight, self.eps, pad=gemm_rows(x))
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, RMSNorm(s)) for s = x + residual: a residual add and the norm after it (one launch on CUDA)."""
+        return dispatch.rms_norm(x, self.weight, self.eps, residual, gemm_rows(x))
 
 
 class LayerNorm(nn.Module):
@@ -64,17 +69,59 @@ def linear_weight(module: nn.Module, shape, shard=None, full_shape=None, dtype=N
 LINEAR_ROWS = int(os.environ.get("TANDEM_LINEAR_ROWS", "128"))    # 0: off (to measure what it costs)
 
 
+def gemm_rows(x: torch.Tensor) -> int:
+    """Rows to give a buffer whose first rows feed dense_linear (0: as many as it has): LINEAR_ROWS on CUDA, so
+    the GEMM takes the buffer as it is (a norm's or SwiGLU's output: kernels/triton_norm.padded), no copy."""
+    return LINEAR_ROWS if x.is_cuda else 0
+
+
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., in] . w [out, in] by cuBLAS. On CUDA a call of fewer than LINEAR_ROWS rows runs as LINEAR_ROWS
     rows: cuBLAS picks its kernel by row count, and an H200's bf16 GEMM at V2-Lite's dense MLP gives a row other
     bits among 32 rows than among 8 (BENCHMARKS.md "Lossless at any batch"), so without one class a verify
-    row could part from its decode row at a near-tie. Rows never mix in a GEMM: the padding is not read."""
+    row could part from its decode row at a near-tie. Rows never mix in a GEMM: the padding is not read. When x
+    is the first rows of a contiguous buffer of LINEAR_ROWS rows or more (gemm_rows), the GEMM runs on that."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (x.is_cuda and 0 < m < LINEAR_ROWS) or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return F.linear(x, w)
-    rows = torch.empty(LINEAR_ROWS, x.shape[-1], dtype=x.dtype, device=x.device)
-    rows[:m].copy_(x.reshape(m, -1))
+    base = x._base                                     # the buffer x views, if any
+    if (base is not None and base.dim() == 2 and base.shape[0] >= LINEAR_ROWS and base.shape[1] == x.shape[-1]
+            and base.dtype == x.dtype and base.is_contiguous() and x.is_contiguous() and x.data_ptr() == base.data_ptr()):
+        rows = base[:LINEAR_ROWS]
+    else:
+        rows = torch.empty(LINEAR_ROWS, x.shape[-1], dtype=x.dtype, device=x.device)
+        rows[:m].copy_(x.reshape(m, -1))
     return F.linear(rows, w)[:m].view(*x.shape[:-1], w.shape[0])
+
+
+def stacked(a: nn.Parameter, b: nn.Parameter) -> torch.Tensor:
+    """[a; b] along dim 0 without a copy where b follows a in one storage (a MoE's stacked experts, or a stack made
+    here before), else stacked now with a and b made views into it (the loader's in-place writes land there)."""
+    x, y = a.data, b.data
+    adjacent = (x.is_contiguous() and y.is_contiguous() and x.shape[1:] == y.shape[1:] and x.dtype == y.dtype
+                and x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+                and y.data_ptr() == x.data_ptr() + x.numel() * x.element_size())
+    if not adjacent:
+        both = torch.cat([x, y])
+        a.data, b.data = both[:x.shape[0]], both[x.shape[0]:]
+        x = a.data
+    return x.as_strided((x.shape[0] + y.shape[0], *x.shape[1:]), x.stride())
+
+
+def fused(a: nn.Module, b: nn.Module) -> SimpleNamespace | None:
+    """Two linear layers that read the same input, as one: their weights (and fp8 block scales) stacked [out_a +
+    out_b, in] (see stacked), for linear(). None under autograd (training sees the parameters), for weights of
+    two dtypes, or for fp8 where a's rows are not whole 128-row blocks."""
+    fp8 = hasattr(a, "weight_scale_inv")
+    if torch.is_grad_enabled() or a.weight.dtype != b.weight.dtype or fp8 != hasattr(b, "weight_scale_inv"):
+        return None
+    if not fp8:
+        return SimpleNamespace(weight=stacked(a.weight, b.weight))
+    from kernels.fp8 import BLOCK
+    if a.weight.shape[0] % BLOCK:
+        return None
+    return SimpleNamespace(weight=stacked(a.weight, b.weight),
+                           weight_scale_inv=stacked(a.weight_scale_inv, b.weight_scale_inv))
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -222,7 +222,10 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], path: str | Path, max_shar
         if cur and size + nbytes > max_shard_bytes:
             shards.append(cur)
             cur, size = {}, 0
-        cur[name], size = t.detach().contiguous().cpu(), size + nbytes
+        t = t.detach().contiguous().cpu()
+        if t.untyped_storage().nbytes() != nbytes:          # a view into stacked weights (a MoE's w13, an MLP's
+            t = t.clone()                                  # gate | up): its own storage, as safetensors needs
+        cur[name], size = t, size + nbytes
     shards.append(cur)
     if len(shards) == 1:
         save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})

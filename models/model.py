@@ -43,8 +43,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, batch: AttentionBatch | None, kv: LayerKV | None = None, gather: bool = True):
         # x: [N, D] -> [N, D] (with SP and gather=False: this rank's rows [ceil(N_pad / tp), D])
         if not self.sequence_parallel:
-            x = x + self.self_attn(self.input_layernorm(x), batch, kv)
-            return x + self.mlp(self.post_attention_layernorm(x))
+            x, y = self.step(x, None, batch, kv)
+            return x + y
         g, tp = self.ps.tp_group, self.ps.tp_size
         n = x.shape[0]
         attn = self.self_attn(self.input_layernorm(x), batch, kv)                  # [N, D] partial sums
@@ -53,6 +53,16 @@ class DecoderLayer(nn.Module):
         normed = all_gather_rows(self.post_attention_layernorm(h), g, tp)          # [N_pad, D]
         h = h + reduce_scatter_rows(self.mlp(normed), g, tp)                         # [S, D]
         return dispatch.trim_rows(all_gather_rows(h, g, tp), n) if gather else h
+
+    def step(self, x, pending, batch: AttentionBatch | None, kv: LayerKV | None = None):
+        # x: the residual stream [N, D]; pending: the layer before's output, not yet added (None: nothing)
+        # -> (the stream with pending and attention added, this layer's MLP output: pending for the next layer).
+        # Each residual add runs inside the norm after it (RMSNorm.add): one launch for both on CUDA.
+        if self.sequence_parallel:
+            return self(x if pending is None else x + pending, batch, kv), None
+        x, h = self.input_layernorm.add(x, pending) if pending is not None else (x, self.input_layernorm(x))
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(h, batch, kv))
+        return x, self.mlp(h)
 
 
 class DeepseekV3Model(nn.Module):
@@ -65,10 +75,10 @@ class DeepseekV3Model(nn.Module):
 
     def forward(self, input_ids, batch: AttentionBatch | None, cache: PagedKVCache | None):
         # input_ids: [N] -> final-norm hidden [N, D]; without batch/cache: [B, T] -> [B, T, D], causal
-        x = self.embed_tokens(input_ids)
+        x, pending = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, cache.layer(i) if cache is not None else None)
-        return self.norm(x)
+            x, pending = layer.step(x, pending, batch, cache.layer(i) if cache is not None else None)
+        return self.norm(x) if pending is None else self.norm.add(x, pending)[1]
 
 
 class TargetModel(nn.Module):
@@ -117,7 +127,9 @@ class MTPLayer(DecoderLayer):
     def forward(self, embeds, hidden, batch, kv: LayerKV | None):
         # embeds: [N, D] embedding of token i+1, hidden: [N, D] hidden of position i -> [N, D]
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], -1))
-        return self.shared_head.norm(super().forward(x, batch, kv, gather=not self.skip_sp_gather))
+        if self.sequence_parallel:
+            return self.shared_head.norm(super().forward(x, batch, kv, gather=not self.skip_sp_gather))
+        return self.shared_head.norm.add(*self.step(x, None, batch, kv))[1]
 
 
 class DraftModel(nn.Module):

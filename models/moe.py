@@ -19,7 +19,7 @@ from torch import nn
 from kernels import dispatch
 from kernels.router import RouteSpec
 from models.config import ModelConfig
-from models.layers import dense_linear, linear, linear_weight, shard_param
+from models.layers import dense_linear, fused, gemm_rows, linear, linear_weight, shard_param
 from models.parallel import ParallelState, SINGLE, all_reduce
 
 
@@ -37,7 +37,11 @@ class MLP(nn.Module):
         self.down_proj = _Weight((dim, part), (1, rank, size), (dim, inter), fp8)
 
     def forward(self, x):
-        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+        # x: [N, D] -> [N, D]; gate and up as one GEMM ([gate | up] rows: layers.fused) and one silu-times-up launch
+        gate_up = fused(self.gate_proj, self.up_proj)
+        if gate_up is None:
+            return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+        return linear(self.down_proj, dispatch.silu_mul(linear(gate_up, x), gemm_rows(x)))
 
 
 class _Weight(nn.Module):
@@ -115,25 +119,27 @@ class MoE(nn.Module):
         # x: [..., D] (identical on every TP rank) -> [..., D]
         shape, x = x.shape, x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(x)                               # [N, k]
-        y = self.routed(x, weights, ids)
-        if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(x)
+        shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
+        y = self.routed(x, weights, ids, shared)                  # routed + shared
         if self.reduce:                                           # EP combine + TP reduce, one call
             y = all_reduce(y, self.ps.tp_group, self.ps.tp_size)
         return y.view(shape)
 
-    def routed(self, x, weights, ids) -> torch.Tensor:
-        # x: [N, D], weights: [N, k] fp32, ids: [N, k] global expert ids -> [N, D] (this rank's experts)
+    def routed(self, x, weights, ids, shared=None) -> torch.Tensor:
+        # x: [N, D], weights: [N, k] fp32, ids: [N, k] global expert ids, shared: [N, D] | None -> [N, D]: this
+        # rank's experts (+ shared; the fused kernels add it in their last launch)
         path = dispatch.moe_path(x)
         if path == "triton" and self.fp8:
             from kernels.triton_fp8_moe import fused_moe_fp8_triton
-            return fused_moe_fp8_triton(x, *self.prepare_for_kernels(), weights, ids, self.local.start)
+            return fused_moe_fp8_triton(x, *self.prepare_for_kernels(), weights, ids, self.local.start, add=shared)
         if path == "triton":
             from kernels.triton_moe import fused_moe_triton
             w13, w2 = self.prepare_for_kernels()
-            return fused_moe_triton(x, w13, w2, weights, ids, self.local.start)
-        if path == "dense":
-            return self._routed_dense(x, weights, ids)
+            return fused_moe_triton(x, w13, w2, weights, ids, self.local.start, add=shared)
+        y = self._routed_dense(x, weights, ids) if path == "dense" else self._routed_loop(x, weights, ids)
+        return y if shared is None else y + shared
+
+    def _routed_loop(self, x, weights, ids) -> torch.Tensor:
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)
@@ -165,8 +171,8 @@ class MoE(nn.Module):
         Built on first use; the per-expert parameters then become views into them, so there is one
         copy of the weights and the loader's in-place writes land in the stacked tensors. If the
         parameters were replaced since (module.to(), .data assignment), they are stacked again.
-        Call it once before CUDA-graph capture (warm-up does). Do not save a CPU model's state dict
-        with safetensors after it ran (the views share storage)."""
+        Call it once before CUDA-graph capture (warm-up does). models/loader.save_checkpoint gives each
+        view its own storage, as safetensors needs."""
         experts = [self.experts[str(e)] for e in self.local]
         first, last = experts[0], experts[-1]
         st = getattr(self, "_stacked", None)

@@ -388,13 +388,20 @@ KERNELS = [(tm._mla_kernel, dict.fromkeys(["ql_ptr", "qp_ptr", "ckv_ptr", "kpe_p
             {**MOE, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": "tf32"}),
            (tg._count_kernel, {}, dict(cnt_ptr="*i32"), dict(NB=512, BLOCK=32)),
            (tg._group_kernel, {}, I32, dict(NB=512, P=256, BLOCK_M=16, FILL=1024)),
-           (tg._sum_pairs_kernel, dict(part_ptr="*fp32", y_ptr="*bf16"), {}, dict(KP=8, SPLIT=2, BLOCK=512)),
+           (tg._sum_pairs_kernel, dict(part_ptr="*fp32", y_ptr="*bf16", add_ptr="*bf16"), {},
+            dict(KP=8, SPLIT=2, BLOCK=512, ADD=False)),
+           (tg._sum_pairs_kernel, dict(part_ptr="*fp32", y_ptr="*bf16", add_ptr="*bf16"), {},
+            dict(KP=8, SPLIT=1, BLOCK=512, ADD=True)),
            (tr._route_kernel, dict(logit_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", id_ptr="*i64"), {},
             dict(E=256, SIGMOID=True, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4, TOP_K=8, NOAUX=True, NORM=True,
                  BLOCK_K=8)),
            (tr._logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32"), {},
             dict(BLOCK_E=4, BLOCK_D=1024)),
-           (tn._rms_norm_kernel, dict.fromkeys(["x_ptr", "w_ptr", "out_ptr"], "*bf16"), {}, dict(BLOCK=2048)),
+           (tn._rms_norm_kernel, dict.fromkeys(["x_ptr", "r_ptr", "w_ptr", "out_ptr", "sum_ptr"], "*bf16"), {},
+            dict(BLOCK=2048, ADD=False)),
+           (tn._rms_norm_kernel, dict.fromkeys(["x_ptr", "r_ptr", "w_ptr", "out_ptr", "sum_ptr"], "*bf16"), {},
+            dict(BLOCK=2048, ADD=True)),
+           (tn._silu_mul_kernel, dict.fromkeys(["gu_ptr", "out_ptr"], "*bf16"), {}, dict(BLOCK=1024)),
            (tn._rotary_kernel, dict.fromkeys(["x_ptr", "out_ptr"], "*bf16"), dict(pos_ptr="*i64", f_ptr="*fp32"),
             dict(BLOCK=32, INTERLEAVE=True)),
            (tg._place_kernel, {}, dict(cnt_ptr="*i32", fill_ptr="*i32", pair_ptr="*i32", blk_ptr="*i32"),
@@ -411,4 +418,4 @@ for fn, ptrs, ints, consts in KERNELS:
 
 @pytest.mark.parametrize("arch", [90])                                      # H200: sm_90
 def test_kernels_compile_for_the_gpu_without_one(tmp_path, arch):
-    compile_for_gpu(COMPILE, arch, tmp_path, expected=14)
+    compile_for_gpu(COMPILE, arch, tmp_path, expected=17)
