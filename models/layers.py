@@ -75,6 +75,15 @@ def gemm_rows(x: torch.Tensor) -> int:
     return LINEAR_ROWS if x.is_cuda else 0
 
 
+def cat_cols(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts, -1); at inference, [N, *] rows land in the first rows of a gemm_rows buffer."""
+    x = parts[0]
+    if torch.is_grad_enabled() or x.dim() != 2:
+        return torch.cat(parts, -1)
+    out = torch.empty(max(x.shape[0], gemm_rows(x)), sum(p.shape[1] for p in parts), dtype=x.dtype, device=x.device)
+    return torch.cat(parts, -1, out=out[:x.shape[0]])
+
+
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., in] . w [out, in] by cuBLAS. On CUDA a call of fewer than LINEAR_ROWS rows runs as LINEAR_ROWS
     rows: cuBLAS picks its kernel by row count, and an H200's bf16 GEMM at V2-Lite's dense MLP gives a row other

@@ -17,7 +17,7 @@ from models.attention import MLAttention
 from models.config import ModelConfig
 from models.kv_cache import AttentionBatch, LayerKV, PagedKVCache
 from models.layers import (ParallelLMHead, ReplicatedLinear, RMSNorm, RotaryEmbedding,
-                           VocabParallelEmbedding)
+                           VocabParallelEmbedding, cat_cols)
 from models.moe import DenseMLP, MoE
 from models.parallel import ParallelState, SINGLE, all_gather_rows, reduce_scatter_rows
 
@@ -126,7 +126,7 @@ class MTPLayer(DecoderLayer):
 
     def forward(self, embeds, hidden, batch, kv: LayerKV | None):
         # embeds: [N, D] embedding of token i+1, hidden: [N, D] hidden of position i -> [N, D]
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], -1))
+        x = self.eh_proj(cat_cols([self.enorm(embeds), self.hnorm(hidden)]))
         if self.sequence_parallel:
             return self.shared_head.norm(super().forward(x, batch, kv, gather=not self.skip_sp_gather))
         return self.shared_head.norm.add(*self.step(x, None, batch, kv))[1]
