@@ -126,20 +126,55 @@ def write_results(out: str | Path, name: str, md: str | None, data, plot_fn=None
     print("wrote " + ", ".join(str(p) for p in written))
 
 
+def serve_argv(model: str | None, kmax: int, ports: list[int], extra: list[str]) -> list[str]:
+    # `tandem serve`'s arguments for a cluster on `ports` (gateway gRPC, target, draft, bridge, dist, gateway HTTP)
+    return [*(["--model", model] if model else []), "-k", str(kmax), "--grpc-port", str(ports[0]), "--target-port",
+            str(ports[1]), "--draft-port", str(ports[2]), "--bridge-port", str(ports[3]), "--dist-port", str(ports[4]),
+            "--http-port", str(ports[5]), *extra]
+
+
 def start_cluster(model: str | None, kmax: int, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
     """`tandem serve` on free ports -> (process, gateway gRPC address, gateway HTTP address).
     model None: `extra` names the model (--random-config NAME)."""
     from infra.ports import free_ports
     ports = free_ports(6)                      # distinct, and outside the range the OS hands out on port 0
-    cmd = [sys.executable, "-m", "tandem", "serve", *(["--model", model] if model else []), "-k", str(kmax),
-           "--grpc-port", str(ports[0]), "--target-port", str(ports[1]), "--draft-port", str(ports[2]),
-           "--bridge-port", str(ports[3]), "--dist-port", str(ports[4]), "--http-port", str(ports[5]), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", *serve_argv(model, kmax, ports, extra)],
+                            stdout=subprocess.PIPE, text=True)
+    proc.ports = ports
     for line in proc.stdout:                   # "tandem: serving ..." means all three are SERVING
         print(line, end="", flush=True)
         if line.startswith("tandem: serving"):
             return proc, f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[5]}"
     raise SystemExit(f"tandem serve exited with code {proc.wait()}")
+
+
+def add_gateway(cluster: subprocess.Popen, model: str | None, kmax: int,
+                extra: list[str]) -> tuple[subprocess.Popen, str, str]:
+    """One more gateway on `cluster`'s target and draft (a start_cluster process), as `tandem serve` with `extra`
+    would start it, on free ports -> (process, gRPC address, HTTP address). Modes that differ only in gateway flags
+    (--speculation, --no-overlap-rounds) so share one target and draft: their rows differ by the gateway alone,
+    not by two sets of service processes, and the GPU holds one model."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from infra.ports import free_ports
+    from tandem.serve import commands, parse as serve_parse
+    cmd = next(c for name, c, _ in commands(serve_parse(serve_argv(model, kmax, cluster.ports, extra)))
+               if name == "gateway")
+    grpc_port, http_port = free_ports(2)
+    for flag, port in (("--grpc-port", grpc_port), ("--http-port", http_port)):
+        cmd[cmd.index(flag) + 1] = str(port)
+    proc = subprocess.Popen(cmd)
+    check = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}")).Check
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                print(f"tandem bench: added a gateway on 127.0.0.1:{grpc_port} to the target and draft on ports "
+                      f"{cluster.ports[1]}, {cluster.ports[2]}", flush=True)
+                return proc, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}"
+        except grpc.RpcError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the added gateway ({' '.join(cmd)}) did not serve (exit code {proc.wait()})")
 
 
 def stop_cluster(proc: subprocess.Popen | None) -> None:

@@ -12,8 +12,8 @@ several times (a cluster per profile): a constant, and a per-position profile li
         --synthetic-acceptance 0.92,0.72,0.36 --ks 0,3 --batches 1,32
 
 Adaptive speculation (gateway/adaptive.py) beside the fixed K grid, on a mixed workload (every other request
-sampled at temperature 1) and near-zero acceptance (a cluster per mode and profile; the adaptive rows cap k at the
-largest of --ks and give the mean k it chose):
+sampled at temperature 1) and near-zero acceptance (a cluster per profile, a gateway per mode on its one target and
+draft: tandem/bench.py add_gateway; the adaptive rows cap k at the largest of --ks and give the mean k it chose):
 
     tandem bench speed --speculation fixed,adaptive --ks 0,1,2,3 --workload mixed
     tandem bench speed --speculation fixed,adaptive --synthetic-acceptance 0.92,0.72,0.36 --synthetic-acceptance 0.02
@@ -29,10 +29,11 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import grpc
 
-from tandem.bench import bench_prompts, start_cluster, stop_cluster, write_results
+from tandem.bench import add_gateway, bench_prompts, start_cluster, stop_cluster, write_results
 from tandem.bench_speed_report import plot, table
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
@@ -109,8 +110,8 @@ def parse(argv):
     p.add_argument("--metrics", default=None, help="with --gateway: its HTTP HOST:PORT (/metrics) for the split")
     p.add_argument("--ks", default="0,1,2,3,4")
     p.add_argument("--speculation", default="fixed", help="fixed (the --ks grid), adaptive (k <= the largest of "
-                   "--ks chosen per request and round), or fixed,adaptive: both, a cluster each; a mode ending in "
-                   "/serial runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial)")
+                   "--ks chosen per request and round), or fixed,adaptive: both, a gateway each on one target and "
+                   "draft; a mode ending in /serial runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial)")
     p.add_argument("--workload", default="greedy", choices=["greedy", "mixed"], help="mixed: every other request "
                    "at temperature 1 (the synthetic acceptance applies to greedy ones only)")
     p.add_argument("--batches", default="1,8,32")
@@ -127,8 +128,8 @@ def parse(argv):
 
 
 def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) -> list[dict]:
-    """The served grid with one synthetic acceptance profile ('' : the model's own): a cluster per mode, all up
-    at once, measured in turn (each batch's rows --repeats times, interleaved, the modes' order reversed every other
+    """The served grid with one synthetic acceptance profile ('' : the model's own): one target and draft with a
+    gateway per mode, all up at once, measured in turn (each batch's rows --repeats times, interleaved, the modes' order reversed every other
     repeat: load drifts alike for all); in process (--in-process) between the served repeats on a CPU, else after."""
     ks = [int(x) for x in a.ks.split(",")]
     modes = a.speculation.split(",")
@@ -145,9 +146,10 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
         from tandem.bench_inprocess import grid_engines, measure
         engines = grid_engines(model, a, profile)
     try:
-        for mode in modes:
+        for i, mode in enumerate(modes):            # one target and draft; a gateway per mode
+            how = start_cluster if i == 0 else partial(add_gateway, clusters[modes[0]][0])
             clusters[mode] = ((None, a.gateway, a.metrics) if a.gateway else
-                              start_cluster(None if rid else model, max(ks), serve_args + extra + mode_args(mode)))
+                              how(None if rid else model, max(ks), serve_args + extra + mode_args(mode)))
         stubs = {m: generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(c[1])) for m, c in clusters.items()}
         for b in (int(x) for x in a.batches.split(",")):
             prompts = bench_prompts(model, b * a.requests_per_batch, a.prompt_tokens, seed=b)
@@ -164,7 +166,7 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
                     for k in ks:
                         inproc.setdefault((b, k), []).append(measure(*engines, prompts, k, b, a.max_tokens))
     finally:
-        for proc, _, _ in clusters.values():
+        for proc, _, _ in reversed(list(clusters.values())):     # the added gateways, then the cluster
             stop_cluster(proc)
     rows = []
     for rs in runs.values():                        # the mean of the repeats, and their spread

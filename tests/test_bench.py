@@ -197,7 +197,8 @@ def test_prefill_flop_count_is_the_models_parameters(preset):
 
 
 def test_bench_speed_fixed_and_adaptive_repeats(tmp_path):
-    """Both speculation modes, a cluster each, every row measured twice (the modes' order alternating)."""
+    """Both speculation modes, a gateway each on one target and draft, every row measured twice (the modes' order
+    alternating)."""
     cmd = [sys.executable, "-m", "tandem", "bench", "speed", "--random-config", "tiny", "--ks", "0,2",
            "--batches", "2", "--max-tokens", "6", "--requests-per-batch", "1", "--prompt-tokens", "12",
            "--synthetic-acceptance", "0.9", "--speculation", "fixed,adaptive", "--repeats", "2", "--out", str(tmp_path)]
@@ -211,6 +212,7 @@ def test_bench_speed_fixed_and_adaptive_repeats(tmp_path):
     assert 0 <= rows[-1]["mean_k"] <= 2
     served = [line.split()[4] for line in proc.stdout.splitlines() if line.startswith("served ")]
     assert served == ["fixed", "fixed", "adaptive", "adaptive", "fixed", "fixed"], served   # order reversed in repeat 2
+    assert proc.stdout.count("tandem: serving") == 1 and proc.stdout.count("tandem bench: added a gateway") == 1
 
 
 def test_bench_gateway_commits_every_token(tmp_path):
