@@ -26,7 +26,7 @@ class GatewayConfig:
     target_addr: str = "127.0.0.1:50052"
     draft_addr: str = "127.0.0.1:50053"
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS    # K; with --speculation adaptive, the cap
-    speculation: str = "fixed"               # how many drafts each request gets a round: SPECULATION
+    speculation: str = "adaptive"            # how many drafts each request gets a round: SPECULATION
     adaptive_reprobe_rounds: int = 0         # adaptive: rounds between wakes of parked requests (0: auto)
     host: str = "127.0.0.1"
     grpc_port: int = 50051
@@ -101,9 +101,9 @@ def parse(argv) -> GatewayConfig:
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=NUM_SPECULATIVE_TOKENS,
                    help="draft tokens per round (0: plain decoding); with --speculation adaptive the most a "
                    "request drafts; a request may ask for fewer (num_speculative_tokens)")
-    p.add_argument("--speculation", default="fixed", help="fixed: every request drafts its K each round; adaptive: "
-                   "each round picks each request's k in 0..K from its live acceptance and the measured round costs "
-                   "(gateway/adaptive.py)")
+    p.add_argument("--speculation", default="adaptive", help="adaptive: each round picks each request's k in 0..K "
+                   "from its live acceptance and the measured round costs (gateway/adaptive.py); fixed: every request "
+                   "drafts its K each round")
     p.add_argument("--adaptive-reprobe-rounds", type=int, default=0, help="adaptive: rounds between two probes of "
                    "requests parked at k = 0 (0: as often as 1%% of the round time pays for)")
     p.add_argument("--no-overlap-rounds", dest="overlap_rounds", action="store_false", help="commit each round "

@@ -58,8 +58,8 @@ def parse(argv):
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=NUM_SPECULATIVE_TOKENS,
                    help="draft tokens per round (0: plain decoding); with --speculation adaptive the cap")
-    p.add_argument("--speculation", default="fixed", choices=["fixed", "adaptive"], help="gateway: fixed K a "
-                   "round, or each request's k chosen each round from live acceptance and measured costs")
+    p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"], help="gateway: each "
+                   "request's k chosen each round from live acceptance and measured costs, or a fixed K a round")
     p.add_argument("--device", default="cpu", help="cpu | cuda (target on cuda:0, draft on cuda:1 if present)")
     p.add_argument("--draft-device", default="", help="the draft's device (cuda:0: the target's GPU, rows by CUDA "
                    "IPC); default: cuda:1 with --device cuda and two GPUs, else the target's")

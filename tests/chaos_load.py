@@ -34,7 +34,7 @@ class ServeTree:
         cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(MODEL), "-k", str(k),
                "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--target-port", str(tport),
                "--draft-port", str(dport), "--bridge-port", str(bport), "--dist-port", str(dist),
-               "--num-blocks", str(num_blocks)]
+               "--num-blocks", str(num_blocks), "--speculation", "fixed"]
         with open(log_path, "wb") as f:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},

@@ -160,7 +160,8 @@ class Cluster:
             cmd = py + ["gateway", "--model", self.model, "-k", str(k), "--grpc-port", str(port),
                         "--http-port", str(http_port),
                         "--target-addr", targets[t].addr, "--draft-addr", drafts[d].addr,
-                        "--hidden-transport", transport, "--max-batch", str(spec.get("max_batch", 64))] + self.tls_args
+                        "--hidden-transport", transport, "--max-batch", str(spec.get("max_batch", 64)),
+                        "--speculation", "fixed"] + self.tls_args       # every round drafts K (args may override)
             proc = Proc(name, cmd + list(spec.get("args", [])), f"127.0.0.1:{port}", self.log_dir / f"{name}.log",
                         env=dict(spec.get("env", {})))
             gws.append((proc, transport, k, t, d, f"http://127.0.0.1:{http_port}"))

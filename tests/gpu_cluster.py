@@ -26,7 +26,7 @@ def serve_cuda(tmp: Path, extra: list[str], device: str = "cuda", model: Path | 
     cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(model), "-k", "3", "--device", device,
            "--dtype", "float32", "--grpc-port", str(gw), "--target-port", str(tp), "--draft-port", str(dp),
            "--bridge-port", str(bp), "--dist-port", str(dist), "--http-port", str(http), "--num-blocks", "1024",
-           *extra]
+           "--speculation", "fixed", *extra]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
     chans = []

@@ -367,7 +367,7 @@ def test_tandem_serve_tp2_ep2_sp_draft_tp2(ckpt, ref_model, tmp_path):
     cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(ckpt), "--tp", "2", "--ep", "2",
            "--sequence-parallel", "--draft-tp", "2", "--grpc-port", str(gw), "--target-port", str(tport),
            "--draft-port", str(dport), "--bridge-port", str(bport), "--dist-port", str(_free_dist_port()),
-           "--num-blocks", "256", "--startup-timeout", "180"]
+           "--num-blocks", "256", "--startup-timeout", "180", "--speculation", "fixed"]
     if _serve_accepts(ckpt, "--http-port"):        # the gateway's REST port, where `tandem serve` has one
         cmd += ["--http-port", str(free_ports(1)[0])]
     log = tmp_path / "serve.log"

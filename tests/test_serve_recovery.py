@@ -42,7 +42,8 @@ class Served:
         self.log_path = log_path
         cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(model), "-k", "3", "--tp", str(tp),
                "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port), "--target-port", str(tport),
-               "--draft-port", str(dport), "--bridge-port", str(bport), "--dist-port", str(dist), "--num-blocks", "512"]
+               "--draft-port", str(dport), "--bridge-port", str(bport), "--dist-port", str(dist), "--num-blocks", "512",
+               "--speculation", "fixed"]
         with open(log_path, "wb") as f:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
