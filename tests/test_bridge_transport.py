@@ -124,6 +124,25 @@ def test_auto_on_cpu_is_gloo_and_carries_empty_and_bf16_frames():
         assert got.dtype == rows.dtype and got.shape == rows.shape and torch.equal(got, rows)
 
 
+def test_parked_rows_are_bounded_oldest_dropped_first(monkeypatch):
+    """gloo / NCCL park rows until pulled: past PARK_MAX_BYTES the oldest go (rows a parked request's draft never
+    pulls must not pile up for the TTL); a pull of dropped rows is NOT_FOUND, the newest are still there."""
+    from services.bridge import channel
+    monkeypatch.setattr(channel, "PARK_MAX_BYTES", 3 * 100 * 8 * 4)            # three [100, 8] fp32 transfers
+    sender, receiver = pair("gloo", "gloo")
+    assert sender.ready and receiver.ready, (sender.error, receiver.error)
+    rows = {tid: torch.full((100, 8), float(tid)) for tid in range(1, 6)}
+    for tid, r in rows.items():
+        sender.send(tid, r)
+    for tid in (1, 2):
+        with pytest.raises(LookupError, match=f"transfer {tid} is not held by the target"):
+            receiver.take(tid, timeout_s=10)
+    for tid in (3, 4, 5):
+        assert torch.equal(receiver.take(tid, timeout_s=10), rows[tid])
+    sender.send(6, torch.zeros(2000, 8))                                        # one transfer over the cap is kept
+    assert receiver.take(6, timeout_s=10).shape == (2000, 8)
+
+
 def test_contradicting_choices_fail_both_sides_naming_both():
     sender, receiver = pair("gloo", "nccl")
     assert not sender.ready and not receiver.ready

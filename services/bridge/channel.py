@@ -12,7 +12,10 @@ cudaMalloc, a pageable copy) on that side. A request goes through the store; the
 (so the draft can time out on the CPU without posting anything) and then sends a frame, a header
 [transfer_id, rows, bytes per row, dtype] and the payload as bytes, by p2p on the channel's own CUDA
 stream. Pulls are serialized, so at most one frame is in flight. Parked rows not pulled within
-PARK_TTL_S are dropped.
+PARK_TTL_S are dropped, and the oldest go first while more than PARK_MAX_BYTES are parked: the prompt rows
+of a request the adaptive policy parks at k = 0 before its first Propose are never pulled, and at long
+prompts they would otherwise hold GPU memory for the whole TTL (a late pull of dropped rows is NOT_FOUND,
+which the gateway treats as a lost draft state: it re-syncs).
 
 CUDA IPC and shared host memory push: nothing is ever posted, so the target copies each transfer into
 its slot of a ring in shared device (ipc.py) or host memory (shm.py, two CPU processes of one host) as it
@@ -40,6 +43,7 @@ from services.bridge.shm import ShmReceiver, ShmSender
 from services.bridge.transport import TRANSPORTS
 
 PARK_TTL_S = 120.0
+PARK_MAX_BYTES = 1 << 30                          # rows parked at once, at most (the oldest are dropped)
 RINGS_SENT = (IpcSender, ShmSender)               # transports that push frames into a ring (no pulls)
 RINGS_TAKEN = (IpcReceiver, ShmReceiver)
 RING_NAMES = {"ipc": "CUDA IPC", "shm": "shared-memory"}
@@ -90,6 +94,10 @@ class RowChannel(Generations):
             for tid in [t for t, (at, _, _) in self._parked.items() if now - at > PARK_TTL_S]:
                 del self._parked[tid]                # never pulled (its Propose failed or never came)
             self._parked[transfer_id] = (now, rows.detach(), ready)
+            held = sum(r.numel() * r.element_size() for _, r, _ in self._parked.values())
+            while held > PARK_MAX_BYTES and len(self._parked) > 1:    # oldest first (dicts keep insertion order)
+                _, r, _ = self._parked.pop(next(iter(self._parked)))
+                held -= r.numel() * r.element_size()
 
     def _serve_pulls(self):
         """Answer this generation's pulls in order; ends by Superseded (a newer draft joined) or an error
