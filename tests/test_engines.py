@@ -200,3 +200,21 @@ def test_seeded_sampling_ignores_batch_mates():
     together, _, _ = speculate(*engines(target, draft), mixed, {"x": 1, "y": 3, "z": 3}, 8, s)
     assert together["x"] == alone["x"]
 
+
+
+def test_target_warms_its_acceptance_kernels_for_every_draft_count(monkeypatch):
+    """With CUDA graphs on, the target runs greedy and sampled acceptance at start for 0 .. WARM_DRAFTS drafts
+    (Triton compiles one kernel per draft count: the first k = 1 probe of the adaptive policy paid it inside a
+    Verify); the engine decodes as before afterwards."""
+    from services.target import engine as te_mod
+    target, draft = make_models()
+    te, _ = engines(target, draft)
+    seen = {"greedy": [], "sampled": []}
+    real_g, real_r = te_mod.greedy_verify, te_mod.rejection_sample
+    monkeypatch.setattr(te_mod, "greedy_verify", lambda t, d, n: seen["greedy"].append(d.shape[1]) or real_g(t, d, n))
+    monkeypatch.setattr(te_mod, "rejection_sample",
+                        lambda p, q, d, n, u, e: seen["sampled"].append(d.shape[1]) or real_r(p, q, d, n, u, e))
+    te.graphs_enabled(1)
+    assert seen == {"greedy": list(range(te_mod.WARM_DRAFTS + 1)), "sampled": list(range(1, te_mod.WARM_DRAFTS + 1))}
+    te.prefill([("r", [1, 2, 3], Sampling())])
+    assert te.verify([("r", [5, 6], None)]).accepted[0] in (0, 1, 2)

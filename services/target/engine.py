@@ -55,13 +55,26 @@ class _Request:
     tokens: list[int]                 # every token so far (the pending one last): names its full blocks
 
 
+WARM_DRAFTS = 4                              # acceptance kernels compiled at start for 0 .. this many drafts
+
+
 class TargetEngine:
     graph_row_inputs = 0                     # CUDA graphs: tokens only
     prefix_shift = 0                         # prefix caching: block j is decided by tokens[0 : (j+1)*bs]
     synthetic_acceptance: tuple[float, ...] | None = None   # BENCHMARK ONLY: services/target/synthetic.py
 
     def graphs_enabled(self, warmup_batch: int = 0) -> None:
-        """CUDA graphs are on (services/launch.py): nothing more to set up here."""
+        """CUDA graphs are on (services/launch.py): compile the acceptance kernels now for every draft count a
+        round may bring (0 .. WARM_DRAFTS), greedy and sampled. Triton compiles a kernel per draft count on first
+        use, so the first round at a new k (an adaptive policy's k = 1 probe) paid it inside a Verify."""
+        dev, V = self.cache.device, self.vocab_size
+        for k in range(WARM_DRAFTS + 1):
+            ids, n = torch.zeros(1, k + 1, dtype=torch.long, device=dev), torch.full((1,), k, device=dev)
+            greedy_verify(ids, ids[:, :k], n)
+            if k:
+                p = torch.full((1, k + 1, V), 1.0 / V, device=dev)
+                rejection_sample(p, p[:, :k], ids[:, :k], n, torch.ones(1, k, device=dev),
+                                 torch.ones(1, V, device=dev))
 
     def __init__(self, model, cache: PagedKVCache, max_model_len: int):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
