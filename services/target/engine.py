@@ -58,6 +58,20 @@ class _Request:
 WARM_DRAFTS = 4                              # acceptance kernels compiled at start for 0 .. this many drafts
 
 
+def _round_inputs(drafts: list[list[int]], dev):
+    """A Verify's drafts per request -> host (k [B], starts [B], valid [B, K+1]) and device (drafts [B, K],
+    k [B], idx [B, K+1]: request b's logit rows), the device ones in one transfer before the step (a copy
+    queued after the step would wait for it)."""
+    B, K = len(drafts), max(len(d) for d in drafts)
+    k = torch.tensor([len(d) for d in drafts])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), (k + 1).cumsum(0)[:-1]])
+    idx = (starts[:, None] + torch.arange(K + 1)[None, :]).clamp(max=int(k.sum()) + B - 1)   # [B, K+1]
+    valid = torch.arange(K + 1)[None, :] <= k[:, None]                           # [B, K+1]
+    padded = torch.tensor([list(d) + [0] * (K - len(d)) for d in drafts], dtype=torch.long)
+    packed = torch.cat([padded.flatten(), k, idx.flatten()]).to(dev, non_blocking=True)
+    return k, starts, valid, packed[:B * K].view(B, K), packed[B * K:B * K + B], packed[B * K + B:].view(B, K + 1)
+
+
 class TargetEngine:
     graph_row_inputs = 0                     # CUDA graphs: tokens only
     prefix_shift = 0                         # prefix caching: block j is decided by tokens[0 : (j+1)*bs]
@@ -68,12 +82,12 @@ class TargetEngine:
         round may bring (0 .. WARM_DRAFTS), greedy and sampled. Triton compiles a kernel per draft count on first
         use, so the first round at a new k (an adaptive policy's k = 1 probe) paid it inside a Verify."""
         dev, V = self.cache.device, self.vocab_size
-        for k in range(WARM_DRAFTS + 1):
-            ids, n = torch.zeros(1, k + 1, dtype=torch.long, device=dev), torch.full((1,), k, device=dev)
-            greedy_verify(ids, ids[:, :k], n)
+        for k in range(WARM_DRAFTS + 1):         # inputs laid out as verify's (Triton specializes on strides)
+            _, _, _, drafts, n, idx = _round_inputs([[0] * k], dev)
+            greedy_verify(torch.zeros_like(idx), drafts, n)
             if k:
                 p = torch.full((1, k + 1, V), 1.0 / V, device=dev)
-                rejection_sample(p, p[:, :k], ids[:, :k], n, torch.ones(1, k, device=dev),
+                rejection_sample(p, torch.zeros(1, k, V, device=dev), drafts, n, torch.ones(1, k, device=dev),
                                  torch.ones(1, V, device=dev))
 
     def __init__(self, model, cache: PagedKVCache, max_model_len: int):
@@ -151,14 +165,7 @@ class TargetEngine:
         seqs = {rid: [r.pending_token] + list(d) for (rid, d, _), r in zip(items, reqs)}
         B, K = len(items), max(len(d) for _, d, _ in items)
         V, dev = self.vocab_size, self.cache.device        # acceptance runs where the logits are (Triton on CUDA)
-        k = torch.tensor([len(d) for _, d, _ in items])
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), (k + 1).cumsum(0)[:-1]])
-        idx = (starts[:, None] + torch.arange(K + 1)[None, :]).clamp(max=int(k.sum()) + B - 1)   # [B, K+1]
-        valid = torch.arange(K + 1)[None, :] <= k[:, None]                       # [B, K+1]
-        drafts = torch.tensor([list(d) + [0] * (K - len(d)) for _, d, _ in items], dtype=torch.long)
-        # one transfer, before the step: a host-to-device copy queued after the step would wait for it
-        packed = torch.cat([drafts.flatten(), k, idx.flatten()]).to(dev, non_blocking=True)
-        drafts, k_dev, idx = packed[:B * K].view(B, K), packed[B * K:B * K + B], packed[B * K + B:].view(B, K + 1)
+        k, starts, valid, drafts, k_dev, idx = _round_inputs([d for _, d, _ in items], dev)
         hidden = self._forward(seqs)                                            # [N, D], N = sum(k + 1)
         logits = self.model.compute_logits(hidden)                               # [N, V]
         if all(r.sampling.greedy for r in reqs):
