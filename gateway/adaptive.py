@@ -109,9 +109,7 @@ class FixedPolicy:
 
     def plan(self, batch: list[GenRequest]) -> list[GenRequest]:
         """Before a round: the requests to send to the draft (their k: r.round_k())."""
-        spec = [r for r in batch if r.draft.speculate]
-        self.count(batch, spec)
-        return spec
+        return [r for r in batch if r.draft.speculate]
 
     def observe(self, batch: list[GenRequest], split: dict[str, float]) -> None:
         """After a round: its requests (r.stats counted their drafts) and its split (seconds by phase)."""
@@ -119,10 +117,10 @@ class FixedPolicy:
     def resynced(self, tokens: int, seconds: float) -> None:
         """A re-sync (gateway/resync.py) recomputed `tokens` committed tokens in `seconds`."""
 
-    def count(self, batch: list[GenRequest], spec: list[GenRequest]) -> None:
-        ids = {id(r) for r in spec}
-        for r in batch:
-            k = r.round_k() if id(r) in ids else 0
+    def record(self, ks: list[int]) -> None:
+        """A Verify checked these draft counts, one per request of its round (the scheduler calls this once
+        a round, with what each request got: a request the round did not propose for counts at 0)."""
+        for k in ks:
             if k >= len(self.k_counts):
                 self.k_counts += [0] * (k + 1 - len(self.k_counts))
             self.k_counts[k] += 1
@@ -198,7 +196,6 @@ class AdaptivePolicy(FixedPolicy):
                 self.parks += 1
                 self.next_wake = self.next_wake or self.round + self._interval(r, len(batch))
         self._last = (len(batch), rows0, max(ks, default=0), sum(ks)) if spec else (len(batch), 0, 0, 0)
-        self.count(batch, spec)
         return spec
 
     def choose(self, batch: list[GenRequest], synced: list[GenRequest], caps: list[int]) -> tuple[list[int], bool]:

@@ -48,7 +48,7 @@ class Observer:
     """Hooks for metrics (gateway/metrics.py); the base does nothing."""
 
     def phase(self, name: str, seconds: float) -> None:
-        """A phase outside the rounds took `seconds`: prefill."""
+        """A phase outside the rounds took `seconds`: prefill, resync."""
 
     def round_split(self, seconds: dict[str, float]) -> None:
         """A whole round's split: round (wall), propose and verify (RPC walls), gateway (the rest), and

@@ -47,7 +47,9 @@ def chunks(reqs: list[GenRequest], limit: int = RESYNC_TOKENS) -> list[list[GenR
 
 
 async def resync(s: Scheduler, reqs: list[GenRequest]) -> None:
-    """Scheduler `s`: make the stale requests `reqs` ready to propose as new requests."""
+    """Scheduler `s`: make the stale requests `reqs` ready to propose as new requests (its wall: the
+    resync phase of tandem:round_phase_seconds)."""
+    t_start = time.perf_counter()
     try:
         await s.draft.Release(common_pb2.ReleaseRequest(request_ids=[r.id for r in reqs]), timeout=s.draft_timeout)
     except grpc.aio.AioRpcError as e:
@@ -68,6 +70,7 @@ async def resync(s: Scheduler, reqs: list[GenRequest]) -> None:
         for r in chunk:
             r.draft.resynced(list(r.prompt_ids) + list(r.output_ids), resp.hidden_rows)
     s.avail.resynced += done
+    s.obs.phase("resync", time.perf_counter() - t_start)
     if done:
         log.info("re-synced the draft's cache of %d running requests", done)
 

@@ -62,6 +62,7 @@ class Scheduler:
         self.inflight = InFlight()             # the Prefill, re-sync or round awaited now (target_lost cuts it)
         self.overlap = overlap                 # send the next round's Propose before committing (proposals.py)
         self.ahead: proposals.Proposal | None = None       # that Propose, collected by the next round
+        self.planned = False                               # the last round planned the next: nobody to send
         self.proposing: list[proposals.Proposal] = []      # Proposes not yet answered
         self._round_end, self._off_round = 0.0, 0.0        # the last round's end; calls between rounds since
 
@@ -168,16 +169,17 @@ class Scheduler:
             await proposals.collect(self, ahead, [], dict(split))
             ahead = None
         round_t0 = time.perf_counter() if ahead is None else self._round_end + self._off_round
-        drafts = {}
+        drafts, planned, self.planned = {}, self.planned, False
         if ahead is None:           # the policy's own time is the gateway's part of the round
-            spec = self.policy.plan(batch)      # who goes to the draft, each with its k (GenRequest.round_k)
+            # who goes to the draft, each with its k (GenRequest.round_k); planned at the end of the last
+            # round already, with nobody to send, unless a request became synced since (prefilled, re-synced)
+            spec = [] if planned and not any(r.draft.speculate for r in batch) else self.policy.plan(batch)
         else:
             drafts = await proposals.collect(self, ahead, batch, split)
             if drafts is None:
                 return
             # requests prefilled since it was sent: their first Propose (the prompt), at their own K
             spec = [r for r in batch if r.draft.speculate and r.id not in ahead.ids]
-            self.policy.count(spec, spec)
         if spec:
             feed, self.feed = [r for r in self.feed if r.draft.speculate and not r.finished], []
             more = await proposals.collect(self, await proposals.send(self, spec, feed), batch, split)
@@ -196,8 +198,9 @@ class Scheduler:
             self._target_failed(batch, e, "Verify")
             return
         split.update(verify=time.perf_counter() - t0, target_compute=vresp.timing.compute_seconds)
-        for r, res in zip(batch, vresp.results):
-            k = len(drafts[r.id].draft_token_ids) if r.id in drafts else 0
+        ks = [len(drafts[r.id].draft_token_ids) if r.id in drafts else 0 for r in batch]
+        self.policy.record(ks)
+        for r, res, k in zip(batch, vresp.results, ks):
             r.stats.add(k, res.num_accepted)
             self.stats.add(k, res.num_accepted)
             r.draft.verified(list(res.emitted_token_ids), vresp.hidden_rows)
@@ -209,6 +212,7 @@ class Scheduler:
         if overlap:                 # the next round's drafts are computed while this round commits
             spec = self.policy.plan([r for r in self.running if not r.cancelled])
             self.ahead = await proposals.send(self, spec, []) if spec else None
+            self.planned = not spec                # nobody to send: the next round needs no plan of its own
             self._commit_all(batch, vresp.results)
 
     def _overlaps(self, batch: list[GenRequest]) -> bool:

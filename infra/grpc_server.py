@@ -65,7 +65,8 @@ class InternalErrors(grpc.ServerInterceptor):
     """A handler's unexpected exception (a CUDA out-of-memory, a bug) ends the call INTERNAL, naming the
     method and the error, with the traceback in this service's log: gRPC's own answer would be UNKNOWN
     ("Exception calling application" / "Exception iterating responses"), which says nothing. A call the
-    handler aborted itself (context.abort: its code is set) keeps its status."""
+    handler aborted itself (context.abort: its code is set) keeps its status; a call whose client went away
+    (a cancelled stream's request iterator raises grpc.RpcError) is no fault of the service: it ends quietly."""
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -76,6 +77,9 @@ class InternalErrors(grpc.ServerInterceptor):
         def fail(context, e: Exception):
             if context.code() is not None:          # context.abort already chose the status
                 raise e
+            if isinstance(e, grpc.RpcError) and not context.is_active():
+                log.debug("%s: the client went away (%s)", method, type(e).__name__)
+                return
             log.exception("%s failed", method)
             context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error in the service "
                                                     f"({type(e).__name__}: {e})"[:2000])

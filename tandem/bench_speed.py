@@ -39,6 +39,7 @@ from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 METRIC = "tandem:round_phase_seconds"
 CHOSEN_K = "tandem:spec_decode_chosen_k"
+REPROBES = "tandem:spec_decode_reprobes_total"
 PHASES = ("round", "propose", "transfer", "draft_compute", "verify", "target_compute", "gateway")
 
 
@@ -53,6 +54,8 @@ def scrape(http_addr: str) -> dict[str, list[float]]:
                 out.setdefault(s.labels["phase"], [0.0, 0.0])[s.name.endswith("_count")] += s.value
             elif s.name in (CHOSEN_K + "_sum", CHOSEN_K + "_count"):     # k a request got a round, summed
                 out.setdefault("chosen_k", [0.0, 0.0])[s.name.endswith("_count")] += s.value
+            elif s.name == REPROBES:                                     # parked requests woken for a probe
+                out["reprobes"] = [s.value, 0.0]
     return out
 
 
@@ -81,9 +84,14 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
     split = {ph: 1000 * (after.get(ph, [0, 0])[0] - before.get(ph, [0, 0])[0]) / rounds
              for ph in PHASES} if rounds else {}
     ks = [after.get("chosen_k", [0, 0])[i] - before.get("chosen_k", [0, 0])[i] for i in (0, 1)]
+    if rounds:          # the wall between the rounds (prefill, re-sync, a request's turnover), per round
+        split["between"] = 1000 * wall / rounds - split["round"]
+        for ph in ("prefill", "resync"):
+            split[ph] = 1000 * (after.get(ph, [0, 0])[0] - before.get(ph, [0, 0])[0]) / rounds
     return {"k": k, "batch": batch, "mean_k": ks[0] / ks[1] if ks[1] else float(k), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0, "rounds": int(rounds),
+            "reprobes": int(after.get("reprobes", [0])[0] - before.get("reprobes", [0])[0]),
             "p50_request_s": sorted(t for _, t in results)[len(results) // 2], "ms_per_round": split}
 
 

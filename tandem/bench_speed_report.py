@@ -1,5 +1,8 @@
 """`tandem bench speed`'s report: the Markdown table of its rows and the plot.
 
+Between rounds is the run's wall per round less the round's own time: Prefill and re-sync calls (also
+in the JSON: prefill, resync) and a request's turnover. Re-probes: parked requests the adaptive policy woke.
+
 RPC overhead is what the round spent in its two calls beyond the services' own work: (propose - transfer -
 draft compute) + (verify - target compute). With overlapped rounds (gateway/proposals.py) "propose" is only
 the round's wait for drafts the commit did not hide, so that figure can go below zero: the overlap won back
@@ -13,7 +16,8 @@ from pathlib import Path
 def table(rows: list[dict]) -> str:
     inproc = any("inprocess_tokens_per_s" in r for r in rows)
     head = ["acceptance", "batch", "K", "served tok/s", "run spread", "speedup vs K=0", "mean acc. length", "round ms", "propose ms",
-            "transfer ms", "draft compute ms", "verify ms", "target compute ms", "RPC overhead ms", "gateway ms"]
+            "transfer ms", "draft compute ms", "verify ms", "target compute ms", "RPC overhead ms", "gateway ms",
+            "between rounds ms", "re-probes"]
     head += ["in-process tok/s", "in-process speedup", "served / in-process"] if inproc else []
     head += ["ideal round ms", "ideal tok/s", "served of ideal"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -25,7 +29,8 @@ def table(rows: list[dict]) -> str:
         cells = [r["acceptance"], r["batch"], k_name(r, True), f"{r['tokens_per_s']:.1f}",
                  f"{r['spread']:.0%}" if len(r.get("tokens_per_s_runs", [])) > 1 else "", f"{r['speedup']:.2f}",
                  f"{r['mean_acceptance_length']:.2f}", ms("round"), ms("propose"), ms("transfer"),
-                 ms("draft_compute"), ms("verify"), ms("target_compute"), rpc, ms("gateway")]
+                 ms("draft_compute"), ms("verify"), ms("target_compute"), rpc, ms("gateway"),
+                 f"{s['between']:.2f}" if "between" in s else "", r.get("reprobes", "")]
         if inproc:
             cells += [f"{r['inprocess_tokens_per_s']:.1f}", f"{r['inprocess_speedup']:.2f}",
                       f"{r['served_over_inprocess']:.2f}"] if "inprocess_tokens_per_s" in r else ["", "", ""]

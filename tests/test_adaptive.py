@@ -33,6 +33,7 @@ def simulate(policy, reqs, profiles, cost, rounds, seed=0):
                 r.draft.resynced(list(r.prompt_ids) + list(r.output_ids), None)
         spec = policy.plan(reqs)
         ks = {r.id: r.round_k() for r in spec}
+        policy.record([ks.get(r.id, 0) for r in reqs])
         rows0, m, batch = sum(len(r.draft.pending) for r in spec), sum(ks.values()), len(reqs)
         split = {"verify": cost["v0"] + cost["vb"] * batch + cost["ve"] * m, "gateway": 1e-4,
                  "propose": cost["p0"] + cost["p1"] * rows0 + cost["p2"] * max(ks.values(), default=0)

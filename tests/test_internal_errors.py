@@ -1,6 +1,10 @@
 """A service handler's unexpected exception (a CUDA out-of-memory, a bug) reaches the caller as INTERNAL naming
 the method and the error, on unary calls and on streams; a handler's own abort keeps its status. A real gRPC
 server with the services' interceptor, a real channel."""
+import logging
+import queue
+import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -17,9 +21,15 @@ def _echo(request: bytes, context):
     return request
 
 
+ENDED = threading.Event()          # set when a stream handler returns (or raises)
+
+
 def _stream(requests, context):
-    for r in requests:
-        yield _echo(r, context)
+    try:
+        for r in requests:
+            yield _echo(r, context)
+    finally:
+        ENDED.set()
 
 
 @pytest.fixture
@@ -59,3 +69,23 @@ def test_stream_exception_is_internal(channel):
     with pytest.raises(grpc.RpcError) as e:
         next(replies)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_client_cancel_is_not_an_internal_error(channel, caplog):
+    """A client that cancels its stream (a gateway shutting down) makes the handler's request iterator raise
+    grpc.RpcError: that is the client's doing, not the service's, so nothing is logged as a failure."""
+    call = channel.stream_stream("/t.Svc/EchoStream")
+    sent: queue.Queue = queue.Queue()
+    replies = call(iter(sent.get, None), timeout=10)
+    sent.put(b"a")
+    assert next(replies) == b"a"
+    ENDED.clear()
+    with caplog.at_level(logging.DEBUG, logger="tandem.grpc"):
+        replies.cancel()
+        assert ENDED.wait(10)
+        deadline = time.monotonic() + 10       # the interceptor logs after the handler's finally
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert any("client went away" in r.getMessage() for r in caplog.records), caplog.text
+    sent.put(None)

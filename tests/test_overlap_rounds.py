@@ -11,6 +11,9 @@ import asyncio
 
 import grpc
 
+from tandem.v1 import draft_pb2
+
+from gateway.adaptive import AdaptivePolicy
 from gateway.request import Observer
 from gateway.scheduler import Scheduler
 from test_scheduler_faults import NEXT, FakeDraft, FakeTarget, events, request, rpc_error, run
@@ -185,3 +188,44 @@ def test_a_round_planned_before_the_commit_counts_the_uncommitted_tokens():
         ks = [it.num_draft_tokens for c in draft.calls if c[0] == "Propose" for it in c[1].items]
         assert ks[:2] == [3, 1], ks
     run(main())
+
+
+class WrongDraft(FakeDraft):
+    """Proposes a token the fake target never emits: every draft is rejected."""
+
+    async def Propose(self, req, timeout=None):
+        await self._call("Propose", req, timeout)
+        return draft_pb2.ProposeResponse(results=[draft_pb2.ProposeResult(
+            draft_token_ids=[NEXT + 1] * it.num_draft_tokens) for it in req.items])
+
+
+class CountingPolicy(AdaptivePolicy):
+    """Adaptive, counting its plans, and choosing k = 0 for everyone (as it would with drafts that always fail
+    on a machine where they cost: the fakes' costs are too small and too noisy to decide it)."""
+    plans = 0
+
+    def plan(self, batch):
+        self.plans += 1
+        return super().plan(batch)
+
+    def choose(self, batch, synced, caps):
+        return [0] * len(synced), False
+
+
+def test_a_round_is_planned_once_when_nobody_drafts():
+    """Drafts that always fail: the adaptive policy parks the requests, and the round the last round planned
+    (overlapped: at its end) is not planned again; a request is planned twice for a round only when it became
+    synced since (prefilled, or re-synced for a probe). The chosen-k histogram counts each request once a round."""
+    async def main():
+        target, draft = FakeTarget(), WrongDraft()
+        policy = CountingPolicy(3, reprobe_rounds=16)
+        s = Scheduler(target, draft, {2}, policy=policy)
+        reqs = [request(s, (3, 4, 5 + i), max_tokens=120, k=3) for i in range(2)]
+        await drive(s, reqs, steps=400)
+        return policy, [c[1] for c in target.calls if c[0] == "Verify"], reqs
+    policy, verifies, reqs = run(main())
+    assert all(r.finished and r.output_ids == [NEXT] * 120 for r in reqs)
+    assert policy.parks > 0 and policy.wakes > 2, (policy.parks, policy.wakes)
+    assert len(verifies) <= policy.plans <= len(verifies) + policy.wakes + len(reqs), (policy.plans, len(verifies))
+    assert sum(policy.k_counts) == sum(len(v.items) for v in verifies), policy.k_counts
+    assert policy.k_counts[0] == sum(policy.k_counts), policy.k_counts
