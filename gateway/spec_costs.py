@@ -162,7 +162,7 @@ class CostModel:
         of a batch-32 round, mostly the same points round after round: each is kept for PRICE_ROUNDS rounds
         (the medians it reads move slowly), and the gateway's share is added fresh."""
         t = self.verify.get(bucket(batch))
-        if t is None or t.coef is None:
+        if t is None or not t.shapes:                 # (not t.coef: that would refit the line every round)
             return lambda drafts, steps: self.round_s(batch, drafts, 0, steps)
         born, memo = self._prices.get(batch, (-PRICE_ROUNDS, None))
         if memo is None or self.rounds - born >= PRICE_ROUNDS:
