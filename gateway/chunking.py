@@ -111,10 +111,12 @@ async def prefill(s: Scheduler, items: list[tuple[GenRequest, int]]) -> None:
         s._commit(r, [tok], [lp.first_token] if lp is not None and r.logprobs is not None else [])
 
 
-def feed_items(feed: list[GenRequest]) -> list[draft_pb2.ProposeItem]:
-    """The Propose items giving the draft the chunks pending in `feed`'s DraftStates: no drafts asked."""
+def feed_items(feed: list[GenRequest], index: dict[int, int]) -> list[draft_pb2.ProposeItem]:
+    """The Propose items giving the draft the chunks pending in `feed`'s DraftStates: no drafts asked
+    (index: id of a row set -> its place in the call's hidden_rows, from 1)."""
     return [draft_pb2.ProposeItem(request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=0,
-                                  sampling=r.sampling, position=r.draft.position, cached_tokens=r.draft.cached)
+                                  sampling=r.sampling, position=r.draft.position, cached_tokens=r.draft.cached,
+                                  rows_set=index[id(r.draft.rows)])
             for r in feed]
 
 
@@ -133,7 +135,9 @@ async def feed_draft(s: Scheduler, feed: list[GenRequest]) -> None:
     feed = [r for r in feed if r.draft.speculate and not r.finished and not r.cancelled]
     if not feed:
         return
-    preq = draft_pb2.ProposeRequest(items=feed_items(feed), hidden_rows=[feed[0].draft.rows])
+    sets = {id(r.draft.rows): r.draft.rows for r in feed}          # the step's Prefill: one set
+    preq = draft_pb2.ProposeRequest(items=feed_items(feed, {key: i for i, key in enumerate(sets, 1)}),
+                                    hidden_rows=list(sets.values()))
     timeout, by_deadlines = call_budget(feed, s.draft_timeout)
     try:
         with tracing.phase("propose", [r.span for r in feed], requests=len(feed)):

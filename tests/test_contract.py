@@ -70,10 +70,11 @@ def prefill(c, request_id: str, prompt: list[int], transport=INLINE) -> target_p
 
 
 def propose(c, request_id: str, new_tokens: list[int], position: int, rows: list[rows_pb2.HiddenRows], k=K,
-            cached: int = 0):
+            cached: int = 0, rows_set: int = 0):
     return c.draft.Propose(draft_pb2.ProposeRequest(
         items=[draft_pb2.ProposeItem(request_id=request_id, new_token_ids=new_tokens, num_draft_tokens=k,
-                                     position=position, cached_tokens=cached)], hidden_rows=rows), timeout=TIMEOUT)
+                                     position=position, cached_tokens=cached, rows_set=rows_set)], hidden_rows=rows),
+        timeout=TIMEOUT)
 
 
 def verify(c, request_id: str, drafts: list[int], transport=INLINE, draft_probs: bytes = b""):
@@ -189,6 +190,30 @@ def test_rows_per_request_disagrees_with_new_tokens(cluster, ref_model, hidden_s
         assert len(propose(cluster, r, new, 0, [rows]).results[0].draft_token_ids) == K
     finally:
         cluster.release([r])
+    assert_still_serves(cluster, ref_model)
+
+
+def test_an_item_reads_the_row_set_it_names(cluster, ref_model, hidden_size):
+    """Two row sets name the request (a Verify's set names every request of its batch, one the draft did not
+    follow among them): the item's rows_set says which one it reads, the other is not read for it. Without
+    rows_set that is refused, as is a rows_set past the call's sets; with it the drafts are those of the
+    request's own rows alone."""
+    T, r, r2 = 9, rid("set"), rid("set")
+    try:
+        pre = prefill(cluster, r, prompt_of(T, 5))
+        rows = pre.hidden_rows
+        decoy = with_rows(rows, rows_per_request=[1], num_rows=1, inline_data=rows.inline_data[:row_bytes(hidden_size)])
+        new = prompt_of(T, 5) + list(pre.first_token_ids)
+        refused(lambda: propose(cluster, r, new, 0, [decoy, rows]), grpc.StatusCode.INVALID_ARGUMENT, repr(r))
+        refused(lambda: propose(cluster, r, new, 0, [decoy, rows], rows_set=3), grpc.StatusCode.INVALID_ARGUMENT,
+                "rows_set is 3", "2 hidden row sets")
+        got = list(propose(cluster, r, new, 0, [decoy, rows], rows_set=2).results[0].draft_token_ids)
+        pre2 = prefill(cluster, r2, prompt_of(T, 5))
+        want = list(propose(cluster, r2, prompt_of(T, 5) + list(pre2.first_token_ids), 0, [pre2.hidden_rows])
+                    .results[0].draft_token_ids)
+        assert got == want and len(got) == K
+    finally:
+        cluster.release([r, r2])
     assert_still_serves(cluster, ref_model)
 
 

@@ -13,7 +13,7 @@ import grpc
 
 from tandem.v1 import draft_pb2
 
-from gateway.adaptive import AdaptivePolicy
+from gateway.adaptive import AdaptivePolicy, FixedPolicy
 from gateway.request import Observer
 from gateway.scheduler import Scheduler
 from test_scheduler_faults import NEXT, FakeDraft, FakeTarget, events, request, rpc_error, run
@@ -229,3 +229,45 @@ def test_a_round_is_planned_once_when_nobody_drafts():
     assert len(verifies) <= policy.plans <= len(verifies) + policy.wakes + len(reqs), (policy.plans, len(verifies))
     assert sum(policy.k_counts) == sum(len(v.items) for v in verifies), policy.k_counts
     assert policy.k_counts[0] == sum(policy.k_counts), policy.k_counts
+
+
+class ParkFirst(FixedPolicy):
+    """Fixed K, but the first request is parked at plan 3 and woken at plan 7 (as the adaptive policy parks and
+    re-probes), while the other keeps drafting."""
+    def __init__(self):
+        super().__init__(3)
+        self.n = 0
+
+    def plan(self, batch):
+        self.n += 1
+        first = min(batch, key=lambda r: r.id)
+        if self.n == 3:
+            first.draft.park()
+        elif self.n == 7:
+            first.draft.wake()
+        return super().plan(batch)
+
+
+def test_a_woken_request_reads_its_own_row_set():
+    """A request parked while another drafts is still in every Verify, whose row set names it; once woken and
+    re-synced, its Propose carries both that Verify's set (for the other request) and its re-sync's set. Each
+    item names the set it reads (ProposeItem.rows_set), as the fake draft's contract check demands."""
+    async def main(overlap: bool):
+        target, draft = FakeTarget(), Draft()
+        s = Scheduler(target, draft, {2}, policy=ParkFirst(), overlap=overlap)
+        reqs = [request(s, (3, 4, 5 + i), max_tokens=40, k=2) for i in range(2)]
+        await drive(s, reqs)
+        both = [c[1] for c in draft.calls if c[0] == "Propose" and len(c[1].hidden_rows) == 2]
+        return reqs, target.names(), both
+    for overlap in (False, True):
+        reqs, calls, both = run(main(overlap))
+        assert all(r.finished and r.output_ids == [NEXT] * 40 and not any(e.error for e in events(r)) for r in reqs), overlap
+        assert "RecomputeRows" in calls and both, (overlap, calls)
+        woken = min(reqs, key=lambda r: r.id)
+        resync = [(p, it) for p in both for it in p.items if it.request_id == woken.id and it.position == 0
+                  and len(it.new_token_ids) > 4]          # its re-sync's Propose: every committed token
+        assert len(resync) == 1, (overlap, both)
+        p, it = resync[0]
+        other = 3 - it.rows_set                             # the other set (the last Verify's) names it too
+        assert it.rows_set in (1, 2) and woken.id in p.hidden_rows[other - 1].request_ids, p
+        assert list(p.hidden_rows[it.rows_set - 1].rows_per_request) == [len(it.new_token_ids) - 1], p

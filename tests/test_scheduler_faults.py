@@ -77,8 +77,20 @@ class FakeTarget:
 class FakeDraft(FakeTarget):
     async def Propose(self, req, timeout=None):
         await self._call("Propose", req, timeout)
+        row_sets_named(req)
         return draft_pb2.ProposeResponse(results=[draft_pb2.ProposeResult(
             draft_token_ids=[NEXT] * it.num_draft_tokens) for it in req.items])
+
+
+def row_sets_named(req: draft_pb2.ProposeRequest) -> None:
+    """The draft's contract on a Propose's row sets (services/draft/server.py): each item reads the set its
+    rows_set names, which must name the request; rows_set 0: exactly one set may name it."""
+    for it in req.items:
+        naming = [i for i, h in enumerate(req.hidden_rows, 1) if it.request_id in h.request_ids]
+        if it.rows_set > len(req.hidden_rows) or (it.rows_set and it.rows_set not in naming) or \
+                (not it.rows_set and len(naming) != 1):
+            raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, f"request {it.request_id!r}: rows_set "
+                            f"{it.rows_set}, named by sets {naming}")
 
 
 class Letters:

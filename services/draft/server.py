@@ -41,8 +41,13 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
         """Check every row set against `expected` before touching it; -> request id -> rows [n, D]."""
         out: dict[str, torch.Tensor] = {}
         dtype = self.engine.model.lm_head.weight.dtype
+        where = {it.request_id: it.rows_set for it in request.items}     # 1-based; 0: the set naming it
+        for rid, n in where.items():
+            if n > len(request.hidden_rows):
+                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: rows_set is {n}, the call has "
+                                   f"{len(request.hidden_rows)} hidden row sets")
         for i, desc in enumerate(request.hidden_rows):
-            mine = {r: expected[r] for r in desc.request_ids if r in expected}
+            mine = {r: expected[r] for r in desc.request_ids if r in expected and where[r] in (0, i + 1)}
             try:
                 check(desc, mine, self.hidden_size, dtype)
                 if desc.layout != rows_pb2.ROW_LAYOUT_FULL:
