@@ -11,7 +11,8 @@ gateway the rest; gateway/request.py Observer.round_split) and from the re-syncs
   and one row per draft token (m = sum of k). No Propose (m = 0) costs nothing. The draft's catch-up over a
   new request's committed tokens (its first Propose, or a re-sync's) is paid once per request, not per
   round: such rounds are kept out of propose(), and give the catch-up's price per row (probe_s).
-- gateway: the round less both RPCs, a moving average.
+- gateway: the round less both RPCs, a moving average over rounds without drafts; what a drafting round's
+  gateway share takes beyond that is counted in its propose().
 
 Each (B, T) of verify and each (B, steps, m) of propose keeps the median of its last WINDOW measurements:
 what a round of exactly that shape costs, read directly. One slow round (a first call of a shape, a kernel
@@ -195,15 +196,19 @@ class CostModel:
         self.rounds += 1
         if "verify" in split:
             self.verify.setdefault(bucket(batch), Table()).add((batch, tokens), split["verify"], self.rounds)
+        gateway = max(0.0, split.get("gateway", 0.0))
+        if tokens == batch:                           # no drafts: the gateway's share of a plain round
+            self.gateway += GATEWAY_RATE * (gateway - self.gateway)
         if propose is not None and split.get("propose", 0.0) > 0:
             rows0, steps, drafts = propose
+            # a drafting round's gateway share beyond a plain round's (its commit beside the draft's work,
+            # more tokens to commit) is the Propose's too: 1-7 ms a round on a 2-core CPU
+            cost = split["propose"] + max(0.0, gateway - self.gateway)
             if rows0 <= 2 * (batch + drafts):          # a steady round: about the last round's tokens
-                self.propose.add((batch, steps, drafts), split["propose"], self.rounds)
+                self.propose.add((batch, steps, drafts), cost, self.rounds)
             else:                                     # a catch-up: what it cost beyond a steady round, per row
-                extra = split["propose"] - self.propose_s(batch, steps, drafts)
+                extra = cost - self.propose_s(batch, steps, drafts)
                 self.catchup.add(max(0.0, extra) / rows0, self.rounds)
-        if "gateway" in split:
-            self.gateway += GATEWAY_RATE * (max(0.0, split["gateway"]) - self.gateway)
 
     def observe_resync(self, tokens: int, seconds: float) -> None:
         if tokens > 0:
