@@ -111,6 +111,13 @@ async def prefill(s: Scheduler, items: list[tuple[GenRequest, int]]) -> None:
         s._commit(r, [tok], [lp.first_token] if lp is not None and r.logprobs is not None else [])
 
 
+def row_sets(reqs: list[GenRequest]) -> tuple[list, dict[int, int]]:
+    """The row sets `reqs`' pending tokens are in, once each -> (a Propose's hidden_rows, id of a set -> its
+    place there, from 1: each item names the set it reads, since another set may name the request too)."""
+    sets = {id(r.draft.rows): r.draft.rows for r in reqs}
+    return list(sets.values()), {key: i for i, key in enumerate(sets, 1)}
+
+
 def feed_items(feed: list[GenRequest], index: dict[int, int]) -> list[draft_pb2.ProposeItem]:
     """The Propose items giving the draft the chunks pending in `feed`'s DraftStates: no drafts asked
     (index: id of a row set -> its place in the call's hidden_rows, from 1)."""
@@ -135,9 +142,8 @@ async def feed_draft(s: Scheduler, feed: list[GenRequest]) -> None:
     feed = [r for r in feed if r.draft.speculate and not r.finished and not r.cancelled]
     if not feed:
         return
-    sets = {id(r.draft.rows): r.draft.rows for r in feed}          # the step's Prefill: one set
-    preq = draft_pb2.ProposeRequest(items=feed_items(feed, {key: i for i, key in enumerate(sets, 1)}),
-                                    hidden_rows=list(sets.values()))
+    sets, index = row_sets(feed)
+    preq = draft_pb2.ProposeRequest(items=feed_items(feed, index), hidden_rows=sets)
     timeout, by_deadlines = call_budget(feed, s.draft_timeout)
     try:
         with tracing.phase("propose", [r.span for r in feed], requests=len(feed)):

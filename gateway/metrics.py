@@ -54,8 +54,8 @@ class GatewayMetrics(Observer):
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "End-to-end request latency", lab,
                              buckets=LATENCY_BUCKETS, registry=r)
         self.phases = Histogram(
-            "tandem:round_phase_seconds", "Per batch: prefill (RPC wall), resync (a draft re-sync's wall); per round: round (wall), propose and "
-            "verify (RPC walls), gateway (round less both RPCs), transfer and draft_compute (inside propose), "
+            "tandem:round_phase_seconds", "Per batch: prefill (RPC wall), resync (a draft re-sync's wall); per "
+            "round: round (wall), propose and verify (RPC walls), gateway (round less both RPCs), transfer and draft_compute (inside propose), "
             "target_compute (inside verify)", lab + ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens processed", lab, registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated", lab, registry=r)

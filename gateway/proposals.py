@@ -47,12 +47,11 @@ class Proposal:
 async def send(s: Scheduler, spec: list[GenRequest], feed: list[GenRequest]) -> Proposal:
     """Send the Propose of `spec` (their pending tokens and rows, k = round_k()) and `feed`'s chunks; returns
     once the request is on its way (a lane's `begin`: written to the stream), its answer still to come."""
-    sets = {id(r.draft.rows): r.draft.rows for r in spec + feed}
-    index = {key: i for i, key in enumerate(sets, 1)}    # each item names its set: another may name it too
+    sets, index = chunking.row_sets(spec + feed)
     preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
         request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.round_k(), sampling=r.sampling,
         position=r.draft.position, cached_tokens=r.draft.cached, rows_set=index[id(r.draft.rows)])
-        for r in spec] + chunking.feed_items(feed, index), hidden_rows=list(sets.values()))
+        for r in spec] + chunking.feed_items(feed, index), hidden_rows=sets)
     timeout, by_deadlines = call_budget(spec, s.draft_timeout)
     begin = getattr(s.draft.Propose, "begin", None)      # gateway/lanes.py; other stubs start on the next turn
     sent = asyncio.get_running_loop().create_future()

@@ -261,7 +261,8 @@ def test_a_woken_request_reads_its_own_row_set():
         return reqs, target.names(), both
     for overlap in (False, True):
         reqs, calls, both = run(main(overlap))
-        assert all(r.finished and r.output_ids == [NEXT] * 40 and not any(e.error for e in events(r)) for r in reqs), overlap
+        for r in reqs:
+            assert r.finished and r.output_ids == [NEXT] * 40 and not any(e.error for e in events(r)), overlap
         assert "RecomputeRows" in calls and both, (overlap, calls)
         woken = min(reqs, key=lambda r: r.id)
         resync = [(p, it) for p in both for it in p.items if it.request_id == woken.id and it.position == 0
