@@ -13,14 +13,19 @@ SAMPLING_EPS = 1e-5
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
+                   top_p: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     """logits [M, V] -> probs [M, V] after temperature, top-k (0 = off), top-p (0 or 1 = off).
 
     Rows with temperature < SAMPLING_EPS become one-hot at the argmax (greedy as a distribution).
+    truncate=False: the caller knows no row asks top-k or top-p, so no row is sorted (a sort of every row
+    costs more than the rest together at a large vocabulary).
     """
     logits = logits.float()
     greedy = temperature < SAMPLING_EPS
     x = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    onehot = torch.zeros_like(x).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    if not truncate:
+        return torch.where(greedy[:, None], onehot, x.softmax(-1))
     V = x.shape[-1]
     k = torch.where((top_k > 0) & (top_k < V), top_k, torch.full_like(top_k, V)).long()
     sorted_x, order = x.sort(-1, descending=True)
@@ -31,7 +36,6 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     keep &= ~(use_p[:, None] & (before >= top_p[:, None]))                         # top-p (keeps >= 1)
     sorted_x = sorted_x.masked_fill(~keep, float("-inf"))
     probs = torch.empty_like(x).scatter_(-1, order, sorted_x.softmax(-1))
-    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], onehot, probs)
 
 

@@ -10,6 +10,9 @@ import torch
 from infra.errors import ServiceError
 
 
+STREAM_GAP = 0x9E3779B97F4A7C15         # between a request's random streams (an odd 64-bit constant)
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0         # <= 0: greedy
@@ -20,6 +23,11 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    @property
+    def truncates(self) -> bool:
+        """top-k or top-p cuts the distribution."""
+        return 0 < self.top_k or 0 < self.top_p < 1
 
     @classmethod
     def from_pb(cls, rid: str, s) -> "Sampling":
@@ -32,9 +40,12 @@ class Sampling:
         return cls(s.temperature, s.top_p, s.top_k, s.seed if s.HasField("seed") else None)
 
     def stream_seed(self, stream: int = 0) -> int:
-        """A uint64 seed of the request's random stream `stream` (seed + stream, so target and draft draw
-        apart; wraps at 2**64), or a random one for an unseeded request."""
-        return (self.seed + stream) % (1 << 64) if self.seed is not None else int.from_bytes(os.urandom(8), "little")
+        """A uint64 seed of the request's random stream `stream` (seed + stream x STREAM_GAP, wrapping at 2**64:
+        target and draft draw apart, and no request's draft stream is another's target stream, as seed + 1
+        would be for requests seeded 1, 2, 3 ...), or a random one for an unseeded request."""
+        if self.seed is None:
+            return int.from_bytes(os.urandom(8), "little")
+        return (self.seed + stream * STREAM_GAP) % (1 << 64)
 
     def generator(self, stream: int = 0) -> torch.Generator:
         """The request's CPU generator on stream_seed(stream)."""
@@ -42,8 +53,8 @@ class Sampling:
         return torch.Generator().manual_seed(seed >> 1 if self.seed is None else seed)
 
 
-def noise_seed(s: Sampling) -> int:
-    """The draft's noise key of a sampled request (services/draft/noise.py): its seed (apart from the target's
-    streams) or a random one; an int64."""
-    seed = s.stream_seed(1)
+def noise_seed(s: Sampling, stream: int = 1) -> int:
+    """A sampled request's noise seed (kernels/noise.py) as an int64: its seed on `stream` (the draft draws on
+    1, the target on 0, so the two are independent) or a random one."""
+    seed = s.stream_seed(stream)
     return seed - (1 << 64) if seed >= 1 << 63 else seed

@@ -59,7 +59,7 @@ def test_chain_matches_greedy_decoding():
 @pytest.mark.parametrize("k", [2, {"a": 3, "b": 1, "c": 2, "d": 0}])
 def test_sampled_chain_equals_loop(k):
     """Sampled (and mixed greedy / sampled) rounds: the chain draws the same tokens with the same q as the loop
-    (keyed noise, services/draft/noise.py), so the served output does not depend on which path ran."""
+    (keyed noise, kernels/noise.py), so the served output does not depend on which path ran."""
     target, draft = make_models(head_std=0.5)
     sampling = {"a": Sampling(temperature=1.0, seed=7), "b": Sampling(temperature=0.7, top_k=20, seed=3),
                 "c": Sampling(), "d": Sampling(temperature=1.2, top_p=0.9, seed=11)}
@@ -87,7 +87,7 @@ def test_sampled_chain_equals_loop(k):
 
 def test_keyed_noise_is_exp1_and_batch_independent():
     """The noise is a function of (key, token id) only, and each draw's tokens follow q."""
-    from services.draft.noise import choose, draw_keys, exp_noise
+    from kernels.noise import choose, draw_keys, exp_noise
     keys = draw_keys(torch.tensor([5, 5, 6]), torch.tensor([0, 1, 0]))
     e = exp_noise(keys, 4096)
     assert torch.equal(e[0], exp_noise(keys[:1], 4096)[0]) and not torch.equal(e[0], e[1])
@@ -105,7 +105,7 @@ def test_chain_graph_equals_loop_on_gpu(sampled):
     """The captured chain (one replay for steps 2..k) against the eager loop, on the GPU; the keyed noise is
     the same on the GPU as on the CPU."""
     from models import cuda_graphs
-    from services.draft.noise import draw_keys, exp_noise
+    from kernels.noise import draw_keys, exp_noise
     keys = draw_keys(torch.tensor([1, -5, 1 << 40]), torch.tensor([0, 3, 7]))
     assert torch.equal(exp_noise(keys, 1000), exp_noise(keys.cuda(), 1000).cpu())
     target, draft = make_models(head_std=0.5)

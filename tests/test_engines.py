@@ -155,7 +155,7 @@ def _chi2_crit(df: int, z: float = 3.09) -> float:
 @torch.inference_mode()
 def _exact_next(target, prefixes: list[list[int]], sampling: Sampling) -> torch.Tensor:
     """Target-only distribution of the next token after each prefix -> [P, V]."""
-    h = target.model(torch.tensor(prefixes), None, None)[:, -1]
+    h = target.model(torch.tensor(prefixes, device=target.lm_head.weight.device), None, None)[:, -1]
     logits = target.compute_logits(h)
     n = len(prefixes)
     return TargetEngine._probs(logits, [sampling] * n)
@@ -165,8 +165,19 @@ def _exact_next(target, prefixes: list[list[int]], sampling: Sampling) -> torch.
 def test_speculative_sampling_matches_target_distribution(top_k, adaptive):
     """Tokens 1-2 jointly and token 3 follow the target alone, with K = 2 or with the adaptive policy's k
     (0..2 a request and round, chosen from that request's acceptance so far)."""
+    _sampling_law(top_k, adaptive, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_speculative_sampling_matches_target_distribution_on_cuda(top_k):
+    """The same law on the GPU: the Triton acceptance kernel with the noise drawn on the device."""
+    _sampling_law(top_k, False, "cuda")
+
+
+def _sampling_law(top_k: int, adaptive: bool, device: str) -> None:
     V, N = 16, 3000
-    target, draft = make_models(vocab=V, head_std=0.6, seed=3)
+    target, draft = (m.to(device) for m in make_models(vocab=V, head_std=0.6, seed=3))
     s = Sampling(temperature=1.0, top_k=top_k)
     prompt = [1, 2, 3, 4]
     prompts = {f"s{i}": prompt for i in range(N)}
@@ -176,10 +187,10 @@ def test_speculative_sampling_matches_target_distribution(top_k, adaptive):
     if adaptive:                          # the policy's k differed between requests after their first round
         assert len(set(k.chosen[1].values())) >= 2, [sorted(set(ks.values())) for ks in k.chosen]
     toks = torch.tensor([out[r][:3] for r in prompts])                   # [N, 3]
-    p1 = _exact_next(target, [prompt], s)[0]                             # [V]
-    p2 = _exact_next(target, [prompt + [a] for a in range(V)], s)        # [V, V]
+    p1 = _exact_next(target, [prompt], s)[0].cpu()                       # [V]
+    p2 = _exact_next(target, [prompt + [a] for a in range(V)], s).cpu()  # [V, V]
     joint = (p1[:, None] * p2).flatten()                                 # P(t1, t2)
-    p3 = _exact_next(target, [prompt + [a, b] for a in range(V) for b in range(V)], s)
+    p3 = _exact_next(target, [prompt + [a, b] for a in range(V) for b in range(V)], s).cpu()
     marg3 = (joint[:, None] * p3).sum(0)                                 # P(t3)
     for observed, expected in ((toks[:, 0] * V + toks[:, 1], joint), (toks[:, 2], marg3)):
         counts = torch.bincount(observed, minlength=expected.numel()).double()

@@ -27,7 +27,7 @@ import torch
 from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket
 from kernels.dispatch import argmax_rows, sampling_probs
 from models.kv_cache import AttentionBatch, CacheFullError, PagedKVCache
-from services.draft.noise import choose, draw_keys
+from kernels.noise import choose, draw_keys
 from services.sampling import Sampling
 
 

@@ -22,7 +22,7 @@ from models.kv_cache import CacheFullError, PagedKVCache
 from infra.defaults import MAX_DRAFT_TOKENS
 from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
-from services.draft.noise import choose, draw_keys
+from kernels.noise import choose, draw_keys
 from services.sampling import Sampling, noise_seed
 
 
@@ -46,7 +46,7 @@ class DraftEngine:
         self.vocab_size = model.cfg.vocab_size
         self.committed: dict[str, int] = {}      # request id -> committed cache positions
         self.sampling: dict[str, Sampling] = {}
-        self.noise: dict[str, list[int]] = {}     # sampled requests: [seed, draws so far] (services/draft/noise.py)
+        self.noise: dict[str, list[int]] = {}     # sampled requests: [seed, draws so far] (kernels/noise.py)
         self.tokens: dict[str, list[int]] = {}   # prefix caching: every token given (names full blocks)
         self.not_held: set[str] = set()          # new requests of the last Propose it could not take
 

@@ -1,7 +1,8 @@
 """TargetEngine: the verifier's state machine over the model and its paged KV cache.
 
 Per request it keeps the pending token (the last committed token, whose KV is not in the cache
-yet), the sampling parameters and a seeded generator. Tokens are committed here and nowhere else.
+yet), the sampling parameters and its noise seed and draw count (kernels/noise.py: sampling draws its noise on
+the device, keyed, so a seeded request ignores its batch-mates). Tokens are committed here and nowhere else.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 
 from kernels import flashinfer_sampling
 from kernels.dispatch import argmax_rows, chain_verifier, greedy_verify, rejection_sample, sampling_probs
+from kernels.noise import choose, draw_keys, exp_noise, uniform
 from models.kv_cache import CacheFullError, PagedKVCache
 from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
-from services.sampling import Sampling
+from services.sampling import Sampling, noise_seed
 from services.target import prefill as plan
 from services.target.synthetic import synthetic_accept
 
@@ -51,8 +53,10 @@ class _Request:
     pending_token: int
     num_tokens: int
     sampling: Sampling
-    generator: torch.Generator
+    generator: torch.Generator        # --synthetic-acceptance's draws only (services/target/synthetic.py)
     tokens: list[int]                 # every token so far (the pending one last): names its full blocks
+    seed: int = 0                     # noise seed (kernels/noise.py): draw 0 chose the first token,
+    draws: int = 1                    # each sampled Verify takes two (its uniforms, then its Exp(1) noise)
 
 
 WARM_DRAFTS = 4                              # acceptance kernels compiled at start for 0 .. this many drafts
@@ -122,20 +126,23 @@ class TargetEngine:
         done = [b for b, ((_, p, _), (_, e)) in enumerate(zip(items, spans)) if e == len(p)]
         ends = torch.tensor([e - s for s, e in spans]).cumsum(0) - 1
         gens = [items[b][2].generator() for b in done]
+        seeds = [noise_seed(items[b][2], 0) for b in done]
         last_logits, sampled = None, []
         if done:                                                                  # prompts prefilled to the end
             last_logits = self.model.compute_logits(hidden[ends[done].to(hidden.device)])      # [B done, V]
             probs = self._probs(last_logits, [items[b][2] for b in done])
-            sampled = self.model.ps.decide(torch.tensor([self._sample(probs[i], g) for i, g in enumerate(gens)])).tolist()
+            zero = torch.zeros(len(done), dtype=torch.long, device=probs.device)
+            keys = draw_keys(torch.tensor(seeds, device=probs.device), zero)
+            sampled = self.model.ps.decide(choose(probs, keys).cpu()).tolist()         # draw 0 of each request
         first = [0] * len(items)
         for (rid, prompt, _), (_, e) in zip(items, spans):
             self.cache.seal(rid, prompt, e)
             self.partial[rid] = (e, len(prompt))
-        for b, tok, g in zip(done, sampled, gens):
+        for b, tok, g, seed in zip(done, sampled, gens, seeds):
             rid, prompt, s = items[b]
             del self.partial[rid]
             first[b] = tok
-            self.requests[rid] = _Request(tok, len(prompt) + 1, s, g, list(prompt) + [tok])
+            self.requests[rid] = _Request(tok, len(prompt) + 1, s, g, list(prompt) + [tok], seed)
         out = None if logprobs is None else plan.score(self, items, logprobs, hidden, spans, last_logits, sampled)
         return Prefilled(first, hidden, out, [s for s, _ in spans], [e for _, e in spans])
 
@@ -182,11 +189,7 @@ class TargetEngine:
             if chain_verifier(p, k, seeded=any(r.sampling.seed is not None for r in reqs)) == "flashinfer":
                 accepted, emitted = flashinfer_sampling.chain_verify(p, q, drafts)   # TANDEM_VERIFIER=flashinfer
             else:
-                # draws per request depend only on its own k, so a seeded stream ignores its batch-mates
-                u = torch.stack([torch.cat([torch.rand(len(d), generator=r.generator), torch.ones(K - len(d))])
-                                 for (_, d, _), r in zip(items, reqs)]).to(dev)
-                e = torch.stack([torch.empty(V).exponential_(generator=r.generator) for r in reqs]).to(dev)
-                accepted, emitted = rejection_sample(p, q, drafts, k_dev, u, e)
+                accepted, emitted = rejection_sample(p, q, drafts, k_dev, *self._noise(reqs, K, dev))
         both = torch.cat([accepted.view(B, 1).to(emitted.dtype), emitted], 1).cpu()     # the one device-to-host copy
         accepted, emitted = both[:, 0].to(accepted.dtype), both[:, 1:]
         if self.synthetic_acceptance is not None:          # BENCHMARK ONLY: after the real forward and check
@@ -252,14 +255,23 @@ class TargetEngine:
         tokens = torch.tensor([t for s in seqs.values() for t in s], device=self.cache.device)
         return expect_rows(self.forward(tokens, batch, self.cache), tokens.shape[0], "the target model")
 
+    def _noise(self, reqs: list[_Request], K: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sampled Verify's draws, keyed on the device (kernels/noise.py): a request's depend on its own seed
+        and draw count only -> uniform [B, K], Exp(1) noise [B, V]. Greedy rows (one-hot p and q) get ones."""
+        B, V = len(reqs), self.vocab_size
+        sd = torch.tensor([[r.seed, r.draws, b] for b, r in enumerate(reqs) if not r.sampling.greedy])
+        sd = sd.to(dev, non_blocking=True)                                         # [S, 3]
+        u, e = torch.ones(B, K, device=dev), torch.ones(B, V, device=dev)
+        u[sd[:, 2]] = uniform(draw_keys(sd[:, 0], sd[:, 1]), K).float()
+        e[sd[:, 2]] = exp_noise(draw_keys(sd[:, 0], sd[:, 1] + 1), V)
+        for r in reqs:
+            r.draws += 2
+        return u, e
+
     @staticmethod
     def _probs(logits: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
         """logits [M, V] -> target distributions [M, V], one Sampling per row."""
         t = torch.tensor([s.temperature for s in samplings], device=logits.device)
         tk = torch.tensor([s.top_k for s in samplings], device=logits.device)
         tp = torch.tensor([s.top_p for s in samplings], device=logits.device)
-        return sampling_probs(logits, t, tk, tp)
-
-    @staticmethod
-    def _sample(probs: torch.Tensor, gen: torch.Generator) -> int:
-        return int((probs.cpu() / torch.empty(probs.shape[-1]).exponential_(generator=gen)).argmax())
+        return sampling_probs(logits, t, tk, tp, any(s.truncates for s in samplings))
