@@ -16,16 +16,13 @@ expected committed tokens per second.
   gateway/spec_costs.py, the measured phase times of past rounds of that shape (medians, so one slow round
   does not decide). The first Propose of a request (the draft catching up on its prompt) is paid once per
   request whatever its k, so it is not charged to the round that happens to carry it.
-- Choice. Maximise R(k) = sum_r E[n_r(k_r)] / C(k). Since p_r(j) falls with j, request r's next draft
-  is worth p_r(k_r + 1) tokens and one order serves the whole batch: sort every (r, j) by p_r(j) and
-  let k(m) take the first m of them. Along that path N(m) = B + (the m largest gains) grows by ever
-  smaller steps while C(m) grows by about the price of a token (plus an MTP step at each new depth, plus
-  the Propose itself at m = 1); the policy evaluates R at every m (O(M log M), M = sum of caps) and
-  keeps the best: whole k are compared (k = 0 against k = 1 .. cap of every request), each with the
-  Propose's fixed cost counted once, so a fixed cost is paid only when enough gain follows it. A draft token is worth
-  taking while p > R * dC/dm: at a batch where a verify token is nearly free, deep drafts of likely
-  requests pay; at batch 1 on a machine where a draft step costs half a verify, none may.
-  Requests with the same estimates get the same k (ties go to the shallower draft first).
+- Choice. Maximise R(k) = sum_r E[n_r(k_r)] / C(k). Since p_r(j) falls with j, one order serves the
+  batch: sort every (r, j) by p_r(j); k(m) takes the first m. Along that path the tokens grow by ever
+  smaller steps while C(m) grows by about a token's price (plus an MTP step at each new depth, plus the
+  Propose at m = 1); R is evaluated at every m (O(M log M), M = sum of caps) and the best kept, so a fixed
+  cost is paid only when enough gain follows it. Equal estimates get equal k. TANDEM_LOG_LEVEL=DEBUG logs
+  each round's choice, prices and estimates, then its outcome. A request prefilled after its round was
+  planned (its first Propose rides on a Propose sent ahead) drafts 0 in it: the next plan gives it a k.
 - Depth. A request held at 0 < k < its cap for SYNC_PROBE rounds drafts k + 1 once, so the figure of the
   position past its k is measured, not left at a few early failures (a bandit's exploration).
 - Zero. A request at k = 0 while others draft still goes to the draft with 0 drafts (it catches up on
@@ -34,18 +31,21 @@ expected committed tokens per second.
   they decode at the cost of K = 0. Every reprobe interval the longest-parked request is woken: it is
   re-synced (gateway/resync.py) and probed with k = 1. The interval is `--adaptive-reprobe-rounds`,
   or by default as often as PROBE_BUDGET of the round time allows at the measured cost of a re-sync.
-- Start-up. The first START_CYCLES * (cap + 1) rounds of each batch bucket with synced requests draft
+- Start-up. The first START_CYCLES * (cap + 1) rounds of the first batch bucket with synced requests draft
   k = cap, cap - 1, .., 0 in turn (k = 0: a Propose of no drafts, so nobody is parked), so every whole k
-  is measured START_CYCLES times before the policy decides. A bucket where no round drafted for
-  REFRESH rounds drafts its synced requests' cap once, so costs that moved (context, load) are seen
-  again; parked requests keep being probed (the wakes): parking at the start never ends the learning.
+  is measured START_CYCLES times before the policy decides; later buckets run one cycle (where drafts do
+  not pay, each start-up round costs). A bucket where no round drafted for REFRESH rounds drafts its
+  synced requests' cap once, so costs that moved are seen again; parked requests keep being probed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 
+from gateway.acceptance import Acceptance, RequestState
 from gateway.request import GenRequest
 from gateway.spec_costs import CostModel, bucket
+
+log = logging.getLogger("tandem.adaptive")   # DEBUG: each round's choice and outcome
 
 DEFAULT_PRIOR = (0.8, 0.7, 0.6)   # conditional acceptance by position before any round (the last repeats)
 CLASS_WEIGHT = 2.0                # pseudo-rounds of DEFAULT_PRIOR in a class's figure
@@ -53,49 +53,11 @@ PRIOR_WEIGHT = 6                # pseudo-rounds of its class's figure in a reque
 REQUEST_DECAY = 0.95               # a request's evidence fades by this each round it drafts
 CLASS_DECAY = 0.998               # a class's, each request-round that drafts
 SYNC_PROBE = 8                    # rounds a request stays at k = 0 beside drafting ones before a k = 1 probe
-START_CYCLES = 3                  # start-up rounds per batch bucket: this many of each k in cap .. 0
+START_CYCLES = 3                  # start-up rounds of the first batch bucket: this many of each k in cap .. 0
 REFRESH = 512                     # rounds of a bucket without drafts before one round drafts the cap again
 PROBE_BUDGET = 0.01               # default re-probing of parked requests: this share of the round time
 MIN_REPROBE = 16                  # rounds, at least, between two wakes (default interval)
 MAX_REPROBE = 256                 # rounds, at most
-
-
-class Acceptance:
-    """Decayed counts of draft positions reached and accepted (position 0 = the first draft)."""
-
-    def __init__(self, decay: float):
-        self.decay, self.reached, self.accepted = decay, [], []
-
-    def add(self, k: int, accepted: int) -> None:
-        """A round of k drafts accepted `accepted`: positions 0..min(accepted, k - 1) were reached."""
-        grow = k - len(self.reached)
-        if grow > 0:
-            self.reached += [0.0] * grow
-            self.accepted += [0.0] * grow
-        for i in range(len(self.reached)):
-            self.reached[i] *= self.decay
-            self.accepted[i] *= self.decay
-        for i in range(min(accepted + 1, k)):
-            self.reached[i] += 1
-        for i in range(min(accepted, k)):
-            self.accepted[i] += 1
-
-    def rate(self, i: int, prior: float, weight: float) -> float:
-        if i >= len(self.reached):
-            return prior
-        return (self.accepted[i] + weight * prior) / (self.reached[i] + weight)
-
-
-@dataclass
-class RequestState:
-    """The adaptive policy's view of one request (GenRequest.policy_state)."""
-    acc: Acceptance
-    greedy: bool
-    seen: tuple[int, int] = (0, 0)   # r.stats (num_draft_tokens, num_accepted_tokens) at the last round
-    idle: int = 0                    # rounds at k = 0 while synced
-    shallow: int = 0                 # rounds at 0 < k < its cap in a row
-    parked_at: int = 0               # the round it was last parked
-    probing: bool = False            # woken for a probe: k >= 1 in its next speculating round
 
 
 class FixedPolicy:
@@ -116,6 +78,9 @@ class FixedPolicy:
 
     def resynced(self, tokens: int, seconds: float) -> None:
         """A re-sync (gateway/resync.py) recomputed `tokens` committed tokens in `seconds`."""
+
+    def joining(self, reqs: list[GenRequest]) -> None:
+        """Requests prefilled after this round was planned, proposed for with it: at their own K (fixed)."""
 
     def record(self, ks: list[int]) -> None:
         """A Verify checked these draft counts, one per request of its round (the scheduler calls this once
@@ -203,7 +168,7 @@ class AdaptivePolicy(FixedPolicy):
         path) and whether this is a start-up round (sent to the draft even at k = 0)."""
         b, top = bucket(len(batch)), max(caps)
         n = self.started.get(b, 0)
-        if n < START_CYCLES * (top + 1) and top:
+        if n < (START_CYCLES if b == next(iter(self.started), b) else 1) * (top + 1) and top:
             self.started[b] = n + 1
             return [min(c, top - n % (top + 1)) for c in caps], True
         if self.round - self.drafted.setdefault(b, self.round) >= REFRESH and top:
@@ -217,10 +182,19 @@ class AdaptivePolicy(FixedPolicy):
                 forced.append(min(c, last + 1) if 0 < last < c and st.shallow >= SYNC_PROBE else 0)
         priors = {g: [self.class_rate(g, i) for i in range(top)] for g in (True, False)}
         gains = [self.gains(r, c, priors) for r, c in zip(synced, caps)]
-        return best_path(gains, forced, len(batch), 0, self.costs), False
+        ks = best_path(gains, forced, len(batch), 0, self.costs)
+        if log.isEnabledFor(logging.DEBUG):
+            price, n = self.costs.pricer(len(batch)), len(batch) + sum(sum(g[:k]) for g, k in zip(gains, ks))
+            log.debug("round %d batch %d: k %s, %.2f tokens in %.2f ms (k = 0: %.2f ms); p %s", self.round, len(batch),
+                      ks, n, 1e3 * price(sum(ks), max(ks)), 1e3 * price(0, 0), [[round(x, 2) for x in g] for g in gains])
+        return ks, False
+
+    def joining(self, reqs: list[GenRequest]) -> None:
+        for r in reqs:                      # their catch-up only (module docstring, Choice)
+            r.round_cap = 0
 
     def observe(self, batch: list[GenRequest], split: dict[str, float]) -> None:
-        drafted = 0
+        drafted, outcome = 0, []
         for r in batch:
             st = r.policy_state
             if st is None:
@@ -228,6 +202,7 @@ class AdaptivePolicy(FixedPolicy):
             d = r.stats.num_draft_tokens - st.seen[0]
             a = r.stats.num_accepted_tokens - st.seen[1]
             st.seen = (r.stats.num_draft_tokens, r.stats.num_accepted_tokens)
+            outcome.append((d, a))
             if d > 0:
                 st.acc.add(d, a)
                 self.classes[st.greedy].add(d, a)
@@ -236,6 +211,7 @@ class AdaptivePolicy(FixedPolicy):
         if self._last is None:
             return
         batch_size, rows0, steps, planned = self._last
+        log.debug("round %d: (drafted, accepted) %s; split s %s", self.round, outcome, split)
         self._last = None
         self.costs.observe_round(batch_size, batch_size + drafted, split,
                                  (rows0, steps, planned) if planned and drafted == planned else None)

@@ -178,8 +178,9 @@ class Scheduler:
             drafts = await proposals.collect(self, ahead, batch, split)
             if drafts is None:
                 return
-            # requests prefilled since it was sent: their first Propose (the prompt), at their own K
+            # requests prefilled since it was sent: their first Propose (the prompt), at the k the policy gives
             spec = [r for r in batch if r.draft.speculate and r.id not in ahead.ids]
+            self.policy.joining(spec)
         if spec:
             feed, self.feed = [r for r in self.feed if r.draft.speculate and not r.finished], []
             more = await proposals.collect(self, await proposals.send(self, spec, feed), batch, split)

@@ -16,8 +16,9 @@ gateway the rest; gateway/request.py Observer.round_split) and from the re-syncs
 
 Each (B, T) of verify and each (B, steps, m) of propose keeps the median of its last WINDOW measurements:
 what a round of exactly that shape costs, read directly. One slow round (a first call of a shape, a kernel
-compiled on first use, a neighbour's burst on the machine) cannot move a median of three. Shapes not
-measured yet are read off a line fitted to the measured ones (weighted by their counts, fading with age;
+compiled on first use, a neighbour's burst on the machine) cannot move a median of three. A median not
+renewed in FRESH rounds is not read any more (the start-up's plain rounds, priced once, kept a batch
+drafting where plain rounds had become cheaper than those: context, load and the machine move): such shapes, and shapes not measured yet, are read off a line fitted to the measured ones (weighted by their counts, fading with age;
 no negative slope: one more token or step never looks like a saving); a bucket with no measurement at all
 borrows its nearest measured neighbour's line.
 """
@@ -28,6 +29,7 @@ from statistics import median
 
 WINDOW = 5              # measurements kept per shape (their median is its cost)
 TRUST = 3               # measurements of a shape before its own median is used instead of the line
+FRESH = 32              # rounds of its table after which a shape's median is stale (read off the line)
 AGE = 0.98              # weight of a shape in the line, per round since its last measurement
 GATEWAY_RATE = 0.1      # moving average of the gateway's share of a round
 PRICE_ROUNDS = 8        # rounds a priced round shape is reused (CostModel.pricer)
@@ -69,7 +71,7 @@ class Table:
 
     def predict(self, x: tuple) -> float | None:
         s = self.shapes.get(x)
-        if s is not None and len(s.obs) >= TRUST:
+        if s is not None and len(s.obs) >= TRUST and self._now - s.last <= FRESH:
             return s.value
         coef = self.coef
         if coef is None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +32,9 @@ def _generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper()   # Tandem's own loggers (DEBUG: the adaptive
+    if level in logging.getLevelNamesMapping():                  # policy's choice and outcome a round)
+        logging.getLogger("tandem").setLevel(level)
     p = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("make-tiny", help="write a small random checkpoint with one MTP layer")

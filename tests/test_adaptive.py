@@ -187,3 +187,34 @@ def test_a_drafting_rounds_extra_gateway_share_is_priced_with_its_propose():
     assert costs.propose_s(1, 1, 1) == pytest.approx(0.001 + 0.003 - 0.0001, rel=0.05)
     price = costs.pricer(1)
     assert price(0, 0) == pytest.approx(0.0061, rel=0.05) and price(1, 1) == pytest.approx(0.011, rel=0.05)
+
+
+def test_a_median_not_renewed_is_read_off_the_line():
+    """The start-up measured plain rounds dear (50 ms); drafting rounds since show a line through 30 ms at no
+    drafts: after FRESH rounds the plain shape is priced off that line, not by its stale median (on a 2-core
+    CPU the stale price kept a batch drafting where plain rounds were 1.5x cheaper)."""
+    from gateway.spec_costs import FRESH
+    costs = CostModel()
+    for _ in range(3):
+        costs.observe_round(8, 8, {"verify": 0.050}, None)
+    assert costs.verify_s(8, 8) == pytest.approx(0.050)
+    for i in range(FRESH + 1):
+        t = (16, 24)[i % 2]
+        costs.observe_round(8, t, {"verify": 0.030 + 0.0025 * (t - 8)}, None)
+    assert costs.verify_s(8, 8) < 0.045                      # the line (the old point fades), not 50 ms
+    for _ in range(3):
+        costs.observe_round(8, 8, {"verify": 0.031}, None)
+    assert costs.verify_s(8, 8) == pytest.approx(0.031)      # measured again: its own median
+
+
+def test_the_first_batch_bucket_starts_up_fully_later_ones_run_one_cycle():
+    """START_CYCLES cycles of k = cap .. 0 at the first batch size; one cycle at each later one."""
+    from gateway.adaptive import START_CYCLES
+    policy = AdaptivePolicy(3)
+    eight = [request(i, 3) for i in range(8)]
+    log = simulate(policy, eight, {r.id: (0.1,) for r in eight}, DEAR, START_CYCLES * 4 + 2)
+    assert [max(d.values(), default=0) for d in log[:START_CYCLES * 4]] == [3, 2, 1, 0] * START_CYCLES
+    two = [request(10 + i, 3) for i in range(2)]
+    log = simulate(policy, two, {r.id: (0.1,) for r in two}, DEAR, 6)
+    assert [max(d.values(), default=0) for d in log[:4]] == [3, 2, 1, 0]
+    assert policy.started[1] == 4                              # and no more start-up rounds at batch 2
