@@ -57,7 +57,7 @@ START_CYCLES = 3                  # start-up rounds of the first batch bucket: t
 REFRESH = 512                     # rounds of a bucket without drafts before one round drafts the cap again
 PROBE_BUDGET = 0.01               # default re-probing of parked requests: this share of the round time
 MIN_REPROBE = 16                  # rounds, at least, between two wakes (default interval)
-MAX_REPROBE = 256                 # rounds, at most
+MAX_REPROBE = 1024                # rounds, at most (256 capped the budget: at batch 1 on the H200 a probe cost ~2 %)
 
 
 class FixedPolicy:
