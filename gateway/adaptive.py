@@ -31,11 +31,11 @@ expected committed tokens per second.
   they decode at the cost of K = 0. Every reprobe interval the longest-parked request is woken: it is
   re-synced (gateway/resync.py) and probed with k = 1. The interval is `--adaptive-reprobe-rounds`,
   or by default as often as PROBE_BUDGET of the round time allows at the measured cost of a re-sync.
-- Start-up. The first START_CYCLES * (cap + 1) rounds of the first batch bucket with synced requests draft
+- Start-up. The first START_CYCLES * (cap + 1) rounds of each batch bucket with synced requests draft
   k = cap, cap - 1, .., 0 in turn (k = 0: a Propose of no drafts, so nobody is parked), so every whole k
-  is measured START_CYCLES times before the policy decides; later buckets run one cycle (where drafts do
-  not pay, each start-up round costs). A bucket where no round drafted for REFRESH rounds drafts its
-  synced requests' cap once, so costs that moved are seen again; parked requests keep being probed.
+  is measured START_CYCLES times (a median: a shape's slow first call does not decide) before the policy
+  decides. A bucket where no round drafted for REFRESH rounds drafts its synced requests' cap once, so
+  costs that moved are seen again; parked requests keep being probed.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ PRIOR_WEIGHT = 6                # pseudo-rounds of its class's figure in a reque
 REQUEST_DECAY = 0.95               # a request's evidence fades by this each round it drafts
 CLASS_DECAY = 0.998               # a class's, each request-round that drafts
 SYNC_PROBE = 8                    # rounds a request stays at k = 0 beside drafting ones before a k = 1 probe
-START_CYCLES = 3                  # start-up rounds of the first batch bucket: this many of each k in cap .. 0
+START_CYCLES = 3                  # start-up rounds per batch bucket: this many of each k in cap .. 0
 REFRESH = 512                     # rounds of a bucket without drafts before one round drafts the cap again
 PROBE_BUDGET = 0.01               # default re-probing of parked requests: this share of the round time
 MIN_REPROBE = 16                  # rounds, at least, between two wakes (default interval)
@@ -168,7 +168,7 @@ class AdaptivePolicy(FixedPolicy):
         path) and whether this is a start-up round (sent to the draft even at k = 0)."""
         b, top = bucket(len(batch)), max(caps)
         n = self.started.get(b, 0)
-        if n < (START_CYCLES if b == next(iter(self.started), b) else 1) * (top + 1) and top:
+        if n < START_CYCLES * (top + 1) and top:
             self.started[b] = n + 1
             return [min(c, top - n % (top + 1)) for c in caps], True
         if self.round - self.drafted.setdefault(b, self.round) >= REFRESH and top:

@@ -206,15 +206,3 @@ def test_a_median_not_renewed_is_read_off_the_line():
         costs.observe_round(8, 8, {"verify": 0.031}, None)
     assert costs.verify_s(8, 8) == pytest.approx(0.031)      # measured again: its own median
 
-
-def test_the_first_batch_bucket_starts_up_fully_later_ones_run_one_cycle():
-    """START_CYCLES cycles of k = cap .. 0 at the first batch size; one cycle at each later one."""
-    from gateway.adaptive import START_CYCLES
-    policy = AdaptivePolicy(3)
-    eight = [request(i, 3) for i in range(8)]
-    log = simulate(policy, eight, {r.id: (0.1,) for r in eight}, DEAR, START_CYCLES * 4 + 2)
-    assert [max(d.values(), default=0) for d in log[:START_CYCLES * 4]] == [3, 2, 1, 0] * START_CYCLES
-    two = [request(10 + i, 3) for i in range(2)]
-    log = simulate(policy, two, {r.id: (0.1,) for r in two}, DEAR, 6)
-    assert [max(d.values(), default=0) for d in log[:4]] == [3, 2, 1, 0]
-    assert policy.started[1] == 4                              # and no more start-up rounds at batch 2
