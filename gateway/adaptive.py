@@ -19,8 +19,11 @@ expected committed tokens per second.
 - Choice. Maximise R(k) = sum_r E[n_r(k_r)] / C(k). Since p_r(j) falls with j, one order serves the
   batch: sort every (r, j) by p_r(j); k(m) takes the first m. Along that path the tokens grow by ever
   smaller steps while C(m) grows by about a token's price (plus an MTP step at each new depth, plus the
-  Propose at m = 1); R is evaluated at every m (O(M log M), M = sum of caps) and the best kept, so a fixed
-  cost is paid only when enough gain follows it. Equal estimates get equal k. TANDEM_LOG_LEVEL=DEBUG logs
+  Propose at m = 1); R is evaluated at every m (O(M log M), M = sum of caps) and the best kept: whole k are
+  compared, each with the Propose's fixed cost counted once, so a fixed cost is paid only when enough gain
+  follows it. A draft token is worth taking while p > R * dC/dm: where a verify token is nearly free, deep
+  drafts of likely requests pay; at batch 1 on a machine where a draft step costs half a verify, none may.
+  Equal estimates get equal k (ties go to the shallower draft first). TANDEM_LOG_LEVEL=DEBUG logs
   each round's choice, prices and estimates, then its outcome. A request prefilled after its round was
   planned (its first Propose rides on a Propose sent ahead) drafts 0 in it: the next plan gives it a k.
 - Depth. A request held at 0 < k < its cap for SYNC_PROBE rounds drafts k + 1 once, so the figure of the
