@@ -26,6 +26,23 @@ def test_sampling_probs_filters():
     assert torch.allclose(probs.sum(-1), torch.ones(4))
 
 
+
+def test_sampling_probs_without_truncation_skips_the_sort_and_equals_the_full_path():
+    """truncate=False (no row asks top-k or top-p: the target's common case) gives the distributions of the sorting
+    path, greedy rows one-hot; and a noise draw from them follows them (kernels/noise.py)."""
+    from kernels.noise import choose, draw_keys
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    t, off = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.0, 2.0]), torch.zeros(6)
+    full = sampling_probs(logits, t, off.long(), off)
+    fast = sampling_probs(logits, t, off.long(), off, truncate=False)
+    assert torch.allclose(fast, full, atol=1e-6) and fast[0].max() == 1.0 and fast[4].max() == 1.0
+    n = 20000
+    keys = draw_keys(torch.full((n,), 7, dtype=torch.long), torch.arange(n))
+    toks = choose(fast[1].expand(n, 50), keys)
+    freq = torch.bincount(toks, minlength=50).double() / n
+    assert (freq - fast[1].double()).abs().max() < 0.015, (freq - fast[1]).abs().max()
+
+
 def _draw(p, q, n, seed):
     """n rounds of K = len(q) drafting from q and verifying against p; -> emitted [n, K+1]."""
     g = torch.Generator().manual_seed(seed)
