@@ -27,7 +27,7 @@ from gateway.prefix_recovery import recover
 from gateway.request import call_budget
 from gateway.stubs import CONTRACT_CODES, client_status
 from infra import tracing
-from tandem.v1 import draft_pb2
+from tandem.v1 import draft_pb2, target_pb2
 
 if TYPE_CHECKING:
     from gateway.request import GenRequest
@@ -125,3 +125,13 @@ async def collect(s: Scheduler, p: Proposal, batch: list[GenRequest],
     if lacked:                                  # its prefix cache lacked what the target had
         await recover(s, lacked, drafts)
     return drafts
+
+
+def verify_item(r: GenRequest, res: draft_pb2.ProposeResult | None) -> target_pb2.VerifyItem:
+    """r's item of the round's Verify: its drafts and the distributions they were drawn from, as the draft sent
+    them (none, whole or sparse: draft.proto), or no drafts."""
+    if res is None:
+        return target_pb2.VerifyItem(request_id=r.id, logprobs=r.logprobs)
+    return target_pb2.VerifyItem(request_id=r.id, draft_token_ids=res.draft_token_ids, draft_probs=res.draft_probs,
+                                 draft_top_ids=res.draft_top_ids, draft_top_probs=res.draft_top_probs,
+                                 logprobs=r.logprobs)

@@ -187,10 +187,8 @@ class Scheduler:
             if more is None:
                 return
             drafts.update(more)
-        vreq = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-            request_id=r.id, draft_token_ids=drafts[r.id].draft_token_ids if r.id in drafts else [],
-            draft_probs=drafts[r.id].draft_probs if r.id in drafts else b"", logprobs=r.logprobs) for r in batch],
-            return_hidden_rows=any(r.draft.speculate for r in batch), transport=self.transport)
+        vreq = target_pb2.VerifyRequest(items=[proposals.verify_item(r, drafts.get(r.id)) for r in batch],
+                                        return_hidden_rows=any(r.draft.speculate for r in batch), transport=self.transport)
         t0 = time.perf_counter()
         try:
             with tracing.phase("verify", [r.span for r in batch], requests=len(batch)):

@@ -4,6 +4,8 @@ from __future__ import annotations
 NUM_SPECULATIVE_TOKENS = 3      # K: draft tokens per round unless asked otherwise (0: plain decoding)
 MAX_NUM_BATCHED_TOKENS = 2048   # prompt positions a gateway step prefills (gateway/chunking.py); 0: whole
 MAX_DRAFT_TOKENS = 16           # the most a request may ask for (services: --max-draft-tokens)
+DRAFT_Q_MASS = 0.99             # a sampled draft samples from its distribution's top tokens of this mass
+DRAFT_Q_WIDTH = 1024            # (at most this many) and sends only those: kernels/noise.py top_mass
 MAX_MODEL_LEN = 0               # context a request may use (target, draft, `tandem serve`); 0: the model's
                                 # max_position_embeddings; never more than the model's or the KV cache's
 

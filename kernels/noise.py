@@ -56,6 +56,23 @@ def exp_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return uniform(keys, vocab).log_().neg_().float()
 
 
+def top_mass(q: torch.Tensor, mass: float, width: int):
+    """q [M, V] -> (q' [M, V], ids [M, w], probs [M, w], whole [M] bool), w = min(width, V): each row restricted to
+    its most probable tokens, the fewest whose mass reaches `mass` (at least one), renormalized; ids by falling
+    probability, probs 0 past the kept ones (a prefix of each row). A row whose w most probable tokens do not reach
+    `mass` (a flat distribution) is left whole: q' = q there, `whole` says so, and its ids / probs are not q'.
+    Speculative sampling stays exact for any distribution the draft samples from, so a draft that samples from q'
+    may send q' as w entries a row instead of V (whole rows: V); acceptance loses at most 1 - mass a position
+    (sum of min(p, q') >= sum of min(p, q) - (1 - kept mass))."""
+    probs, ids = q.topk(min(width, q.shape[-1]), dim=-1)                        # [M, w], falling
+    keep = probs.cumsum(-1) - probs < mass                                      # the mass above is short of it
+    whole = keep[:, -1] & (probs.shape[-1] < q.shape[-1])                       # the width bound before the mass
+    probs = probs * keep
+    probs = probs / probs.sum(-1, keepdim=True)
+    cut = torch.zeros_like(q).scatter_(-1, ids, probs)
+    return torch.where(whole[:, None], q, cut), ids, probs, whole
+
+
 def choose(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [M, V] distributions -> tokens [M] int64, each a draw from its row (a one-hot row gives its token)."""
     return (q / exp_noise(keys, q.shape[-1])).argmax(-1)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from infra.defaults import HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS, MAX_MODEL_LEN
+from infra.defaults import DRAFT_Q_MASS, DRAFT_Q_WIDTH, HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS, MAX_MODEL_LEN
 from models.config import QUANTIZATIONS
 from services.rendezvous import resolve
 from services.target.synthetic import parse_profile
@@ -36,6 +36,10 @@ FLAG_HELP = {
                     "--dtype; an fp8 checkpoint is kept as stored, a wider one quantized at load), none (every weight in "
                     "--dtype; an fp8 checkpoint is dequantized) or auto (the checkpoint's own format). The draft's flag "
                     "is its own: its MTP layer may run fp8 or not whatever the target does",
+    "draft_q_mass": f"draft: a sampled draft token is drawn from the draft's distribution cut to its most probable "
+                    f"tokens of this mass (at most {DRAFT_Q_WIDTH}), and only those travel to the target (a few KB "
+                    "a token instead of 4 x vocab bytes); output stays distributed as the target's, acceptance loses "
+                    "at most the cut mass. 1: the whole distribution",
     "synthetic_acceptance": "BENCHMARK ONLY, changes the output: the target accepts each draft token with "
                             "probability P (stopping at the first rejection) instead of checking it, after the "
                             "real forward pass; greedy requests only. P, or P1,P2,... per position (conditional "
@@ -80,6 +84,7 @@ class ServiceConfig:
     index_scoring: str = "auto"      # V3.2 indexer: auto | exact | deployed (models/kv_cache.index_scoring_for)
     no_prefix_cache: bool = False    # prefix caching off (on: full blocks shared by content, models/prefix_cache.py)
     quantization: str = "auto"       # auto | none | fp8 (models/config.QUANTIZATIONS; the draft's is its own)
+    draft_q_mass: float = DRAFT_Q_MASS   # draft: sampled drafts from q's top tokens of this mass (kernels/noise.py)
 
     @property
     def rank_device(self) -> str:
@@ -123,6 +128,7 @@ class ServiceConfig:
         need(0 <= self.local_ranks <= self.tp, f"--local-ranks must be in [0, --tp {self.tp}], got {self.local_ranks}")
         need(self.tp == 1 or ":" in self.dist_addr, f"--dist-addr must be host:port or env://, got {self.dist_addr!r}")
         need(self.max_message_bytes >= 1 << 16, f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
+        need(0 < self.draft_q_mass <= 1, f"--draft-q-mass must be in (0, 1], got {self.draft_q_mass}")
         need(self.max_draft_tokens >= 0 and self.max_logprobs >= 0, "--max-draft-tokens and --max-logprobs must be >= 0")
         try:
             parse_profile(self.synthetic_acceptance)

@@ -75,6 +75,8 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
                               index_scoring=cfg.index_scoring, graphs=cfg.tp == 1 and not cfg.enforce_eager,
                               graph_batch=cfg.cuda_graph_max_batch, what=f"tandem {role}",
                               prefix_cache=not cfg.no_prefix_cache, quantization=cfg.quantization)
+        if role == "draft":
+            engine.q_mass = cfg.draft_q_mass       # on every rank: they draw alike (rank 0 decides the tokens)
         group = RankGroup(engine, ps)
         if cfg.rank > 0:
             group.serve_worker()

@@ -119,6 +119,8 @@ def on_device(device: torch.device):
 def _cpu(x):
     if isinstance(x, torch.Tensor):
         return x.cpu()
+    if isinstance(x, tuple) and hasattr(x, "_fields"):                  # a NamedTuple (services/sampling.TopQ)
+        return type(x)(*(_cpu(v) for v in x))
     if isinstance(x, (list, tuple)):
         return type(x)(_cpu(v) for v in x)
     if isinstance(x, dict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -58,3 +59,21 @@ def noise_seed(s: Sampling, stream: int = 1) -> int:
     1, the target on 0, so the two are independent) or a random one."""
     seed = s.stream_seed(stream)
     return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+class TopQ(NamedTuple):
+    """A sampled draft's distributions at its k positions, sparse (kernels/noise.py top_mass): token ids [k, w]
+    and their probabilities [k, w]; every other token has probability 0."""
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+    @classmethod
+    def kept(cls, ids: torch.Tensor, probs: torch.Tensor) -> "TopQ":
+        """ids, probs [k, W] as top_mass gives them -> the first w columns, w = the most any row kept."""
+        w = max(int((probs > 0).sum(1).max()), 1) if probs.numel() else 1
+        return cls(ids[:, :w].contiguous(), probs[:, :w].contiguous())
+
+    def dense(self, vocab: int, device) -> torch.Tensor:
+        """-> q [k, V] on `device`."""
+        return torch.zeros(self.ids.shape[0], vocab, device=device).scatter_add_(
+            1, self.ids.to(device, torch.long), self.probs.to(device, torch.float32))

@@ -16,8 +16,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from infra.defaults import (HIDDEN_TRANSPORTS, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, NUM_SPECULATIVE_TOKENS,
-                            transport_misfit)
+from infra.defaults import (DRAFT_Q_MASS, HIDDEN_TRANSPORTS, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS,
+                            NUM_SPECULATIVE_TOKENS, transport_misfit)
 from models.config import QUANTIZATIONS
 from tandem.supervise import Supervisor
 
@@ -107,6 +107,9 @@ def parse(argv):
     p.add_argument("--draft-quantization", default="", choices=("",) + QUANTIZATIONS, help="the MTP draft's "
                    "weights, its own switch (default: --quantization): fp8 MTP layers are measured, not assumed, to "
                    "keep acceptance (tandem bench fp8 --accuracy)")
+    p.add_argument("--draft-q-mass", type=float, default=DRAFT_Q_MASS, help="sampled drafts are drawn from the "
+                   "draft's distribution cut to its most probable tokens of this mass, and only those travel to the "
+                   "target (output keeps the target's distribution; acceptance loses at most the cut mass); 1: all")
     p.add_argument("--bridge-ipc-mib", type=int, default=256, help="target: the CUDA IPC ring of the hidden-row "
                    "bridge (8 slots; a larger transfer goes inline)")
     p.add_argument("--synthetic-acceptance", default="", help="BENCHMARK ONLY, changes the output: "
@@ -172,7 +175,8 @@ def commands(a) -> list[tuple[str, list[str], str]]:
     if a.num_speculative_tokens > 0:
         cmds.append(("draft", py + ["draft", "--device", d_dev, "--grpc-port", str(a.draft_port),
                                     "--tp", str(a.draft_tp), "--dist-addr", f"127.0.0.1:{a.dist_port + 10}"]
-                     + sp + common + ["--quantization", a.draft_quantization or a.quantization],
+                     + sp + common + ["--quantization", a.draft_quantization or a.quantization,
+                                      "--draft-q-mass", str(a.draft_q_mass)],
                      f"127.0.0.1:{a.draft_port}"))
     cmds.append(("gateway", py + ["gateway", *(["--random-config", a.random_config] if a.random_config
                                                 else ["--model", a.model]), "-k", str(a.num_speculative_tokens),

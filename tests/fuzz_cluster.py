@@ -64,7 +64,7 @@ def assert_tokens(ids, what: str) -> None:
 def assert_finite_probs(raw: bytes, what: str) -> None:
     if raw:
         q = np.frombuffer(raw, dtype="<f4")
-        assert np.isfinite(q).all() and (q >= 0).all(), f"{what}: draft_probs holds NaN, inf or negatives"
+        assert np.isfinite(q).all() and (q >= 0).all(), f"{what}: draft probabilities hold NaN, inf or negatives"
 
 
 def prefill_live(c, s: rows_pb2.SamplingParams, transport=INLINE) -> target_pb2.PrefillResponse:

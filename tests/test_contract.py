@@ -377,3 +377,48 @@ def test_gateway_still_serves(cluster, ref_model):
             num_speculative_tokens=k), timeout=TIMEOUT)
         assert list(r.token_ids) == want, f"K={k}"
     cluster.wait_drained()                              # every test released what it made
+
+
+def test_sampled_drafts_travel_as_their_top_tokens(cluster, ref_model):
+    """A sampled Propose sends each draft token's distribution as its most probable tokens (draft_top_ids /
+    draft_top_probs, a few KB) instead of vocab floats; the target takes them, and refuses malformed ones naming
+    the field, before anything is committed."""
+    import numpy as np
+    from infra.defaults import DRAFT_Q_WIDTH
+    V, T, r = cluster.target.GetInfo(common_pb2.InfoRequest(), timeout=TIMEOUT).vocab_size, 6, rid("top")
+    samp = rows_pb2.SamplingParams(temperature=1.0, seed=11)
+    prompt = prompt_of(T, 12)
+    try:
+        pre = cluster.target.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
+            request_id=r, prompt_token_ids=prompt, sampling=samp)], return_hidden_rows=True,
+            transport=INLINE), timeout=TIMEOUT)
+        res = cluster.draft.Propose(draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
+            request_id=r, new_token_ids=prompt + list(pre.first_token_ids), num_draft_tokens=K, sampling=samp)],
+            hidden_rows=[pre.hidden_rows]), timeout=TIMEOUT).results[0]
+        drafts = list(res.draft_token_ids)
+        assert len(drafts) == K and not res.draft_probs
+        w = len(res.draft_top_ids) // (4 * K)
+        assert len(res.draft_top_ids) == len(res.draft_top_probs) == 4 * K * w and 1 <= w <= min(V, DRAFT_Q_WIDTH)
+        ids = np.frombuffer(res.draft_top_ids, "<i4").reshape(K, w)
+        probs = np.frombuffer(res.draft_top_probs, "<f4").reshape(K, w)
+        assert np.allclose(probs.sum(1), 1, atol=1e-5) and (probs >= 0).all() and (ids < V).all()
+        for j, t in enumerate(drafts):               # each draft was drawn from its own (cut) distribution
+            assert probs[j][ids[j] == t].sum() > 0, (j, t)
+
+        def verify_top(top_ids: bytes, top_probs: bytes, dense: bytes = b""):
+            return cluster.target.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+                request_id=r, draft_token_ids=drafts, draft_top_ids=top_ids, draft_top_probs=top_probs,
+                draft_probs=dense)], return_hidden_rows=True, transport=INLINE), timeout=TIMEOUT)
+        bad_ids = ids.copy()
+        bad_ids[0, 0] = V
+        for args, needles in (((res.draft_top_ids[:-4], res.draft_top_probs), ("draft_top_ids", "k = 2")),
+                              ((bad_ids.astype("<i4").tobytes(), res.draft_top_probs), ("below the vocabulary",)),
+                              ((res.draft_top_ids, (-probs).astype("<f4").tobytes()), ("draft_top_probs",)),
+                              ((res.draft_top_ids, res.draft_top_probs, b"\x00" * (4 * K * V)), ("both set",))):
+            refused(lambda: verify_top(*args), grpc.StatusCode.INVALID_ARGUMENT, repr(r), *needles)
+        v = verify_top(res.draft_top_ids, res.draft_top_probs).results[0]
+        assert 0 <= v.num_accepted <= K and len(v.emitted_token_ids) == v.num_accepted + 1
+        assert list(v.emitted_token_ids)[:v.num_accepted] == drafts[:v.num_accepted]
+    finally:
+        cluster.release([r])
+    assert_still_serves(cluster, ref_model)

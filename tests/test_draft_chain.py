@@ -5,7 +5,8 @@ import torch
 
 from services.draft.chain import DraftChain
 from services.draft.engine import DraftEngine
-from services.sampling import Sampling
+from infra.defaults import DRAFT_Q_MASS
+from services.sampling import Sampling, TopQ
 from tests.test_engines import engines, make_models, speculate
 
 PROMPTS = {"a": [5, 9, 33, 2, 7, 100, 3], "b": [8, 1, 64, 12], "c": list(range(40, 77)), "d": [3] * 19}
@@ -56,23 +57,33 @@ def test_chain_matches_greedy_decoding():
     assert fast == plain and de.chain.runs > 0
 
 
-@pytest.mark.parametrize("k", [2, {"a": 3, "b": 1, "c": 2, "d": 0}])
-def test_sampled_chain_equals_loop(k):
+@pytest.mark.parametrize("k, q_mass, width", [(2, 1.0, 0), ({"a": 3, "b": 1, "c": 2, "d": 0}, 1.0, 0),
+                                              (2, DRAFT_Q_MASS, 0), (3, 0.5, 0), (3, 0.9, 8)])
+def test_sampled_chain_equals_loop(k, q_mass, width, monkeypatch):
     """Sampled (and mixed greedy / sampled) rounds: the chain draws the same tokens with the same q as the loop
-    (keyed noise, kernels/noise.py), so the served output does not depend on which path ran."""
+    (keyed noise, kernels/noise.py), so the served output does not depend on which path ran; also with q cut to
+    its top tokens (q_mass < 1: the same cut, the same sparse q sent) and, with a width of 8 tokens, rows too
+    flat to cut going whole."""
+    if width:
+        for mod in ("services.draft.chain", "services.draft.engine"):
+            monkeypatch.setattr(f"{mod}.DRAFT_Q_WIDTH", width)
+    forms = set()
     target, draft = make_models(head_std=0.5)
     sampling = {"a": Sampling(temperature=1.0, seed=7), "b": Sampling(temperature=0.7, top_k=20, seed=3),
                 "c": Sampling(), "d": Sampling(temperature=1.2, top_p=0.9, seed=11)}
     runs = []
     for chained in (False, True):
         te, de = engines(target, draft)
+        de.q_mass = q_mass
         if chained:
             de.chain = DraftChain(draft, de.cache, de.max_model_len, max_k=8, graphs=False)
         qs, inner = [], de.propose
 
         def propose(items, rows, inner=inner, qs=qs):
             out = inner(items, rows)
-            qs.append([None if q is None else q.clone() for _, q in out])
+            assert all(q is None or isinstance(q, TopQ) <= (q_mass < 1) for _, q in out)
+            forms.update(type(q).__name__ for _, q in out if q is not None)
+            qs.append([q for _, q in out])
             return out
         de.propose = propose
         log = recording(de)
@@ -80,9 +91,14 @@ def test_sampled_chain_equals_loop(k):
         runs.append((out, log, qs, de))
     (out0, log0, q0, _), (out1, log1, q1, de1) = runs
     assert out1 == out0 and log1 == log0 and de1.chain.runs == len(log1)
+    assert forms == ({"Tensor"} if q_mass >= 1 else {"TopQ", "Tensor"} if width else {"TopQ"}), forms
     for a, b in zip(q0, q1):
         for x, y in zip(a, b):
-            assert (x is None) == (y is None) and (x is None or torch.allclose(x, y, atol=1e-6))
+            assert (x is None) == (y is None)
+            if isinstance(x, TopQ):
+                assert torch.equal(x.ids, y.ids) and torch.allclose(x.probs, y.probs, atol=1e-6)
+            elif x is not None:
+                assert torch.allclose(x, y, atol=1e-6)
 
 
 def test_keyed_noise_is_exp1_and_batch_independent():
@@ -97,6 +113,25 @@ def test_keyed_noise_is_exp1_and_batch_independent():
     toks = choose(q.expand(n, 4), draw_keys(torch.full((n,), 99), torch.arange(n)))
     freq = torch.bincount(toks, minlength=4).float() / n
     assert torch.allclose(freq, q[0], atol=0.015) and int(freq[3]) == 0
+
+
+def test_top_mass_keeps_the_fewest_tokens_of_the_mass():
+    """kernels/noise.py top_mass: the most probable tokens until their mass reaches the bound (at least one, at
+    most `width`), renormalized, ids by falling probability, zeros past the kept ones."""
+    from kernels.noise import top_mass
+    q = torch.tensor([[0.15, 0.5, 0.05, 0.3], [0.0, 0.0, 1.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    cut, ids, probs, whole = top_mass(q, 0.75, width=3)
+    assert ids[0, :2].tolist() == [1, 3] and ids[1, 0] == 2 and ids.shape == (3, 3)
+    assert torch.allclose(probs[0], torch.tensor([0.625, 0.375, 0.0]))      # 0.5 + 0.3 reach 0.75: two kept
+    assert torch.allclose(probs[1], torch.tensor([1.0, 0.0, 0.0]))
+    assert whole.tolist() == [False, False, True] and torch.equal(cut[2], q[2])   # 3 tokens hold 0.75: left whole
+    assert torch.allclose(cut.sum(1), torch.ones(3)) and cut[0, 0] == 0 and cut[0, 2] == 0
+    assert torch.allclose(cut[0], torch.tensor([0.0, 0.625, 0.0, 0.375]))
+    _, _, p, whole = top_mass(q, 0.81, width=4)
+    assert int((p[0] > 0).sum()) == 3 and int((p[1] > 0).sum()) == 1 and not whole.any()   # w = V: never whole
+    kept = TopQ.kept(ids, probs)                     # the wire form: as wide as the widest row
+    assert kept.ids.shape == (3, 3) and TopQ.kept(ids[:2], probs[:2]).ids.shape == (2, 2)
+    assert torch.allclose(TopQ.kept(ids[:2], probs[:2]).dense(4, "cpu"), cut[:2])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -168,6 +168,18 @@ def test_speculative_sampling_matches_target_distribution(top_k, adaptive):
     _sampling_law(top_k, adaptive, "cpu")
 
 
+@pytest.mark.parametrize("device, q_mass, width", [("cpu", 0.5, 0), ("cpu", 0.8, 3), pytest.param(
+    "cuda", 0.5, 0, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_speculative_sampling_matches_target_distribution_with_a_cut_draft(device, q_mass, width, monkeypatch):
+    """The same law when the draft samples from its distribution cut to its top tokens of mass q_mass and sends
+    only those (DraftEngine.q_mass, kernels/noise.py top_mass), or (width 3) leaves rows too flat to cut whole:
+    output follows the target whatever q is."""
+    if width:
+        for mod in ("services.draft.chain", "services.draft.engine"):
+            monkeypatch.setattr(f"{mod}.DRAFT_Q_WIDTH", width)
+    _sampling_law(0, False, device, q_mass=q_mass)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("top_k", [0, 4])
 def test_speculative_sampling_matches_target_distribution_on_cuda(top_k):
@@ -175,7 +187,7 @@ def test_speculative_sampling_matches_target_distribution_on_cuda(top_k):
     _sampling_law(top_k, False, "cuda")
 
 
-def _sampling_law(top_k: int, adaptive: bool, device: str) -> None:
+def _sampling_law(top_k: int, adaptive: bool, device: str, q_mass: float | None = None) -> None:
     V, N = 16, 3000
     target, draft = (m.to(device) for m in make_models(vocab=V, head_std=0.6, seed=3))
     s = Sampling(temperature=1.0, top_k=top_k)
@@ -183,7 +195,9 @@ def _sampling_law(top_k: int, adaptive: bool, device: str) -> None:
     prompts = {f"s{i}": prompt for i in range(N)}
     samp = {r: Sampling(1.0, 0.0, top_k, seed=i) for i, r in enumerate(prompts)}
     k = PolicyK(prompts, 2, cost_per_draft=0.08) if adaptive else 2
-    out, te, _ = speculate(*engines(target, draft, blocks=N + 8), prompts, k, 4 if adaptive else 3, samp)
+    te, de = engines(target, draft, blocks=N + 8)
+    de.q_mass = de.q_mass if q_mass is None else q_mass
+    out, te, _ = speculate(te, de, prompts, k, 4 if adaptive else 3, samp)
     if adaptive:                          # the policy's k differed between requests after their first round
         assert len(set(k.chosen[1].values())) >= 2, [sorted(set(ks.values())) for ks in k.chosen]
     toks = torch.tensor([out[r][:3] for r in prompts])                   # [N, 3]

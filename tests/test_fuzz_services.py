@@ -1,6 +1,6 @@
 """Hostile input to the internal services: hypothesis-generated TargetService (Prefill, Verify, Release,
 GetInfo) and DraftService (Propose, Release, GetInfo) messages against a running cluster — random
-field values, oversized repeated fields, NaN / inf in the sampling floats, in draft_probs and in
+field values, oversized repeated fields, NaN / inf in the sampling floats, in draft_probs / draft_top_probs and in
 inline hidden rows, wrong dtypes, sizes, layouts and transports in HiddenRows.
 
 Every call must succeed with token ids in [0, vocab) and finite draft probabilities, or fail with a
@@ -69,6 +69,25 @@ def draft_probs(draw, k: int):
         q[draw(st.integers(0, k - 1)), draw(st.integers(0, VOCAB - 1))] = draw(st.sampled_from(
             [math.nan, math.inf, -1.0, 3.4e38]))
     return q.tobytes()
+
+
+@st.composite
+def draft_top(draw, k: int) -> tuple[bytes, bytes]:
+    """(draft_top_ids, draft_top_probs): none, random bytes of either, or k x w ids (some out of range) and
+    probabilities (some poisoned)."""
+    kind = draw(sometimes(st.sampled_from(["none", "good"]), st.sampled_from(["bytes", "ids", "poison"])))
+    if kind == "none":
+        return b"", b""
+    if kind == "bytes":
+        return draw(st.binary(max_size=64)), draw(st.binary(max_size=64))
+    w = draw(st.integers(1, 8))
+    ids = np.array(draw(st.lists(st.integers(0, VOCAB - 1), min_size=k * w, max_size=k * w)), dtype="<i4")
+    probs = np.full(k * w, 1.0 / w, dtype="<f4")
+    if k and kind == "ids":
+        ids[draw(st.integers(0, k * w - 1))] = draw(st.sampled_from([VOCAB, -1, 2 ** 31 - 1]))
+    if k and kind == "poison":
+        probs[draw(st.integers(0, k * w - 1))] = draw(st.sampled_from([math.nan, math.inf, -1.0]))
+    return ids.tobytes(), probs.tobytes()
 
 
 @st.composite
@@ -157,8 +176,10 @@ def test_fuzz_verify(fuzz_cluster, data, live, rounds):
             for r, drafts, lp in data.draw(st.lists(st.tuples(sometimes(st.just(LIVE), rid), drafts_of,
                                                               maybe(small)), min_size=1, max_size=2)):
                 used.add(r)
+                top_ids, top_probs = data.draw(draft_top(len(drafts)))
                 items.append(target_pb2.VerifyItem(request_id=r, draft_token_ids=drafts, logprobs=lp,
-                                                   draft_probs=data.draw(draft_probs(len(drafts)))))
+                                                   draft_probs=data.draw(draft_probs(len(drafts))),
+                                                   draft_top_ids=top_ids, draft_top_probs=top_probs))
             resp = call("Verify", fuzz_cluster.target.Verify, target_pb2.VerifyRequest(
                 items=items, return_hidden_rows=data.draw(st.booleans()), transport=data.draw(enum)))
             for it, res in zip(items, resp.results if resp else []):
@@ -186,7 +207,8 @@ def test_fuzz_propose(fuzz_cluster, data, live, transport, running, bad):
                 request_id=LIVE, new_token_ids=new, num_draft_tokens=2, sampling=live)], hidden_rows=[rows]),
                 timeout=TIMEOUT).results[0]
             v = c.target.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-                request_id=LIVE, draft_token_ids=out.draft_token_ids, draft_probs=out.draft_probs)],
+                request_id=LIVE, draft_token_ids=out.draft_token_ids, draft_probs=out.draft_probs,
+                draft_top_ids=out.draft_top_ids, draft_top_probs=out.draft_top_probs)],
                 return_hidden_rows=True, transport=transport), timeout=TIMEOUT)
             new, position, rows = list(v.results[0].emitted_token_ids), len(new), v.hidden_rows
         draw = data.draw
@@ -210,6 +232,8 @@ def test_fuzz_propose(fuzz_cluster, data, live, transport, running, bad):
             assert len(res.draft_token_ids) == it.num_draft_tokens
             assert_tokens(res.draft_token_ids, "Propose draft_token_ids")
             assert_finite_probs(res.draft_probs, "Propose")
+            assert_finite_probs(res.draft_top_probs, "Propose")
+            assert_tokens(np.frombuffer(res.draft_top_ids, "<i4").tolist(), "Propose draft_top_ids")
     finally:
         c.release(used)
 

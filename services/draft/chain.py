@@ -18,7 +18,9 @@ are never read. Without CUDA (CPU tests) the same body runs eagerly on the same 
 
 A round with sampled requests runs the sampled variant of the graph: each step's q = the request's
 temperature / top-k / top-p distribution and its token a draw from q with the request's keyed noise
-(noise.py: the same draws as the loop's); the [B, k_max, V] q come back with the tokens.
+(noise.py: the same draws as the loop's); the [B, k_max, V] q come back with the tokens, or with q_mass < 1
+each q cut to its top tokens of that mass (noise.top_mass: the draw is from the cut q) and only those
+[B, k_max, w] ids and probabilities come back (with the whole q of a round where some row was too flat to cut).
 """
 from __future__ import annotations
 
@@ -27,14 +29,17 @@ import torch
 from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket
 from kernels.dispatch import argmax_rows, sampling_probs
 from models.kv_cache import AttentionBatch, CacheFullError, PagedKVCache
-from kernels.noise import choose, draw_keys
+from infra.defaults import DRAFT_Q_WIDTH
+from kernels.noise import choose, draw_keys, top_mass
 from services.sampling import Sampling
 
 
 class DraftChain:
-    """`run(ids, hidden [B, D], ks, sampled)` -> (drafts per request, ks[b] tokens each; q [B, k_max, V] on the
-    host or None), extending the cache by ks[b] - 1 positions per request; None when the round does not fit
-    (the caller runs its loop). sampled: None (all greedy) or per request (Sampling, noise seed, first draw)."""
+    """`run(ids, hidden [B, D], ks, sampled, q_mass)` -> (drafts per request, ks[b] tokens each; q on the host:
+    None, [B, k_max, V], or with q_mass < 1 top_mass's (ids, probs [B, k_max, w], whole [B, k_max], and q
+    [B, k_max, V] where some row is whole, else None)), extending the cache by ks[b] - 1
+    positions per request; None when the round does not fit (the caller runs its loop). sampled: None (all
+    greedy) or per request (Sampling, noise seed, first draw)."""
 
     def __init__(self, model, cache: PagedKVCache, max_model_len: int, max_k: int, graphs: bool):
         self.model, self.cache, self.max_k, self.graphs = model, cache, max_k, graphs
@@ -49,7 +54,7 @@ class DraftChain:
         self.runs = self.replays = 0       # rounds drafted here; of those, replayed graphs
 
     def run(self, ids: list[str], hidden: torch.Tensor, ks: list[int],
-            sampled: list[tuple[Sampling, int, int]] | None = None):
+            sampled: list[tuple[Sampling, int, int]] | None = None, q_mass: float = 1.0):
         B, k_max = len(ids), max(ks)
         bp = _bucket(B, BATCH_BUCKETS)
         if bp is None or k_max > self.max_k or min(ks) < 1:
@@ -64,7 +69,7 @@ class DraftChain:
             return None
         for r, k in zip(ids, ks):
             cache.extend(r, k - 1)
-        key = (bp, k_max, sampled is not None)
+        key = (bp, k_max, sampled is not None, q_mass if sampled is not None else 1.0)
         if key not in self.compiled:
             self.compiled[key] = self._build(*key)
         graph, st, out = self.compiled[key]
@@ -75,15 +80,20 @@ class DraftChain:
             graph.replay()
             self.replays += 1
         else:
-            out = self._body(st, k_max, sampled is not None)
+            out = self._body(st, k_max, sampled is not None, key[3])
         toks, q = out
         toks = self.model.ps.decide(toks[:B].cpu()).tolist()           # the round's one host sync
         self.runs += 1
-        return [row[:k] for row, k in zip(toks, ks)], (None if q is None else q[:B].cpu())
+        if isinstance(q, torch.Tensor):
+            q = q[:B].cpu()
+        elif q is not None:                    # (ids, probs, whole) and the whole q only where a row needs it
+            ids, probs, whole = (t[:B].cpu() for t in q[:3])
+            q = ids, probs, whole, q[3][:B].cpu() if bool(whole.any()) else None
+        return [row[:k] for row, k in zip(toks, ks)], q
 
     def warmup(self, max_batch: int, ks) -> int:
         """Capture the greedy chains of k_max in ks for every batch bucket <= max_batch now."""
-        keys = [(bp, k, False) for bp in BATCH_BUCKETS if bp <= max_batch for k in ks if k <= self.max_k]
+        keys = [(bp, k, False, 1.0) for bp in BATCH_BUCKETS if bp <= max_batch for k in ks if k <= self.max_k]
         for key in keys:
             if key not in self.compiled:
                 self.compiled[key] = self._build(*key)
@@ -146,24 +156,31 @@ class DraftChain:
         st["draws"].copy_(torch.tensor([d for _, _, d in rows]))
 
     # --- the chain -----------------------------------------------------------------------------
-    def _body(self, st: dict, k_max: int, sampled: bool):
-        # -> (drafts [bp, k_max] int64, q [bp, k_max, V] fp32 or None) on the device
+    def _body(self, st: dict, k_max: int, sampled: bool, q_mass: float = 1.0):
+        # -> (drafts [bp, k_max] int64, q: None, [bp, k_max, V] fp32, or top_mass's ids, probs [bp, k_max, w],
+        #    whole [bp, k_max] and q' [bp, k_max, V]) on the device
         h, out, qs = st["hidden"], [], []
         layers = self.model.num_cache_layers
         for s in range(k_max):
             logits = self.model.compute_logits(h)                             # [bp, V]
             if sampled:                        # greedy rows: q one-hot, so the draw is their argmax
                 q = sampling_probs(logits, st["temp"], st["top_k"], st["top_p"])
+                if q_mass < 1:
+                    q, ids, probs, whole = top_mass(q, q_mass, DRAFT_Q_WIDTH)
                 tok = choose(q, draw_keys(st["seeds"], st["draws"] + s))
-                qs.append(q)
+                qs.append(q if q_mass >= 1 else (ids, probs, whole, q))
             else:
                 tok = argmax_rows(logits)                                      # [bp]
             out.append(tok)
             if s < k_max - 1:
                 h = self.model(tok, h, st["batches"][s], self.cache, step=(s + 1) % layers)
-        return torch.stack(out, 1), (torch.stack(qs, 1) if sampled else None)
+        if not sampled:
+            return torch.stack(out, 1), None
+        if q_mass >= 1:
+            return torch.stack(out, 1), torch.stack(qs, 1)
+        return torch.stack(out, 1), tuple(torch.stack(t, 1) for t in zip(*qs))
 
-    def _build(self, bp: int, k_max: int, sampled: bool):
+    def _build(self, bp: int, k_max: int, sampled: bool, q_mass: float):
         st = self._static(bp, k_max, sampled)
         if not self.graphs:
             return None, st, None
@@ -171,11 +188,11 @@ class DraftChain:
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream), torch.inference_mode():                # warm-up on scratch rows only
-            self._body(st, k_max, sampled)
+            self._body(st, k_max, sampled, q_mass)
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
                                                       capture_error_mode="thread_local"):
-            out = self._body(st, k_max, sampled)
+            out = self._body(st, k_max, sampled, q_mass)
         self.pool = graph.pool()
         return graph, st, out

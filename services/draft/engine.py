@@ -19,11 +19,11 @@ import torch
 
 from kernels.dispatch import argmax_rows, sampling_probs
 from models.kv_cache import CacheFullError, PagedKVCache
-from infra.defaults import MAX_DRAFT_TOKENS
+from infra.defaults import DRAFT_Q_MASS, DRAFT_Q_WIDTH, MAX_DRAFT_TOKENS
 from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
-from kernels.noise import choose, draw_keys
-from services.sampling import Sampling, noise_seed
+from kernels.noise import choose, draw_keys, top_mass
+from services.sampling import Sampling, TopQ, noise_seed
 
 
 @dataclass
@@ -49,6 +49,7 @@ class DraftEngine:
         self.noise: dict[str, list[int]] = {}     # sampled requests: [seed, draws so far] (kernels/noise.py)
         self.tokens: dict[str, list[int]] = {}   # prefix caching: every token given (names full blocks)
         self.not_held: set[str] = set()          # new requests of the last Propose it could not take
+        self.q_mass = DRAFT_Q_MASS               # sampled drafts: from q's top tokens of this mass (1: all of q)
 
     def graphs_enabled(self, warmup_batch: int = 0) -> None:
         """CUDA graphs are on (services/launch.py): a round's steps 2..k run as one replay too (chain.py),
@@ -86,7 +87,7 @@ class DraftEngine:
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem], rows: dict[str, torch.Tensor]):
         """rows: request id -> target hidden rows [n_r, D] (already contract-checked)
-        -> per item (draft ids [k], draft probs [k, V] or None)."""
+        -> per item (draft ids [k], draft probs: None (greedy), TopQ (q_mass < 1) or [k, V])."""
         for it in items:
             bad = [t for t in it.new_token_ids if t >= self.vocab_size]
             if bad:
@@ -125,7 +126,7 @@ class DraftEngine:
                     self._loop(live, last, ids, k, drafts, probs)
         except CacheFullError as e:
             raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
-        return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+        return [(d, _stacked(p)) for d, p in zip(drafts, probs)]
 
     def _chain(self, live: list[int], last: dict, ids: list[str], k: list[int], drafts: list, probs: list) -> bool:
         """Steps 2..k in one replay (chain.py); False when there is no chain or the round does not fit it."""
@@ -135,7 +136,7 @@ class DraftEngine:
         samplings = [self.sampling[r] for r in rids]
         sampled = None if all(s.greedy for s in samplings) else [
             (s, *(tuple(self.noise[r]) if not s.greedy else (0, 0))) for r, s in zip(rids, samplings)]
-        got = self.chain.run(rids, torch.stack([last[b] for b in live]), [k[b] for b in live], sampled)
+        got = self.chain.run(rids, torch.stack([last[b] for b in live]), [k[b] for b in live], sampled, self.q_mass)
         if got is None:
             return False
         toks, q = got
@@ -143,7 +144,8 @@ class DraftEngine:
             drafts[b] = toks[i]
             if not s.greedy:
                 self._draw(r, k[b])                                          # the draws the chain took
-                probs[b] = list(q[i, : k[b]])
+                probs[b] = list(q[i, : k[b]]) if isinstance(q, torch.Tensor) else [
+                    q[3][i, j] if q[2][i, j] else (q[0][i, j], q[1][i, j]) for j in range(k[b])]
         return True
 
     def _loop(self, live: list[int], last: dict, ids: list[str], k: list[int], drafts: list, probs: list) -> None:
@@ -185,8 +187,9 @@ class DraftEngine:
         return expect_rows(out, tokens.shape[0], "the MTP block")
 
     def _pick(self, hidden: torch.Tensor, ids: list[str]):
-        """hidden [M, D] of requests `ids` -> (token, q [V] or None) per row: argmax when greedy, else a draw from q
-        with the request's next keyed noise."""
+        """hidden [M, D] of requests `ids` -> (token, q) per row: argmax when greedy (q None), else a draw from q
+        (cut to its top tokens of mass q_mass: q then (ids, probs) [w]; a row too flat to cut: q [V]) with the
+        request's next keyed noise."""
         samplings = [self.sampling[r] for r in ids]
         logits = self.model.compute_logits(hidden)
         if all(s.greedy for s in samplings):
@@ -195,9 +198,17 @@ class DraftEngine:
         q = sampling_probs(logits, torch.tensor([s.temperature for s in samplings], device=dev),
                            torch.tensor([s.top_k for s in samplings], device=dev),
                            torch.tensor([s.top_p for s in samplings], device=dev))
+        if self.q_mass < 1:
+            q, top_ids, top_probs, whole = top_mass(q, self.q_mass, DRAFT_Q_WIDTH)
         seeds, draws = zip(*[self._draw(r, 1) if not s.greedy else (0, 0) for r, s in zip(ids, samplings)])
         toks = choose(q, draw_keys(torch.tensor(seeds, device=dev), torch.tensor(draws, device=dev)))
-        toks, q = self.model.ps.decide(toks.cpu()).tolist(), q.cpu()             # rank 0 decides
+        toks = self.model.ps.decide(toks.cpu()).tolist()                         # rank 0 decides
+        if self.q_mass >= 1:
+            q = q.cpu()
+        else:                                  # whole rows (too flat to cut) go as q itself
+            whole = whole.cpu()
+            dense = dict(zip(whole.nonzero().flatten().tolist(), q[whole.to(dev)].cpu())) if bool(whole.any()) else {}
+            q = [dense.get(i) if whole[i] else row for i, row in enumerate(zip(top_ids.cpu(), top_probs.cpu()))]
         return [(t, None if s.greedy else qi) for t, qi, s in zip(toks, q, samplings)]
 
     def _draw(self, rid: str, n: int) -> tuple[int, int]:
@@ -215,3 +226,14 @@ class DraftEngine:
             self.tokens.pop(rid, None)
             self.cache.release(rid)
         return n
+
+
+def _stacked(rows: list):
+    """One request's per-position q rows -> None, TopQ (every row (ids, probs)) or q [k, V] (some row whole)."""
+    if not rows:
+        return None
+    if all(isinstance(r, tuple) for r in rows):
+        return TopQ.kept(torch.stack([i for i, _ in rows]), torch.stack([p for _, p in rows]))
+    V = next(r for r in rows if not isinstance(r, tuple)).shape[-1]
+    return torch.stack([TopQ(r[0][None], r[1][None]).dense(V, "cpu")[0] if isinstance(r, tuple) else r
+                        for r in rows])

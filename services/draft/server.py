@@ -15,7 +15,7 @@ from services.launch import run_service
 from services.ranks import RankGroup
 from services.servicer import STREAM_THREADS, ServicerBase
 from services.draft.engine import DraftEngine, ProposeItem
-from services.sampling import Sampling
+from services.sampling import Sampling, TopQ
 from infra import grpc_server, tracing
 from tandem.v1 import draft_pb2, draft_pb2_grpc, rows_pb2
 
@@ -100,10 +100,7 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
                 done = time.perf_counter()
         except ServiceError as e:
             grpc_server.abort(context, e.code, str(e))
-        return draft_pb2.ProposeResponse(results=[
-            draft_pb2.ProposeResult(draft_token_ids=d, draft_probs=b"" if q is None else
-                                    q.float().numpy().astype("<f4").tobytes(), not_held=n)
-            for (d, q), n in zip(results, not_held)],
+        return draft_pb2.ProposeResponse(results=[_result(d, q, n) for (d, q), n in zip(results, not_held)],
             transfer_seconds=transfer_s, timing=rows_pb2.CallTiming(
                 transfer_seconds=transfer_s, compute_seconds=done - t0 - transfer_s, handler_seconds=done - t0))
 
@@ -112,6 +109,18 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
 
     def running(self) -> int:
         return len(self.engine.committed)
+
+
+def _result(drafts: list[int], q, not_held: bool) -> draft_pb2.ProposeResult:
+    """One item's ProposeResult: q None (greedy), TopQ (sparse) or [k, V] (--draft-q-mass 1)."""
+    if q is None:
+        return draft_pb2.ProposeResult(draft_token_ids=drafts, not_held=not_held)
+    if isinstance(q, TopQ):
+        return draft_pb2.ProposeResult(draft_token_ids=drafts, not_held=not_held,
+                                       draft_top_ids=q.ids.numpy().astype("<i4").tobytes(),
+                                       draft_top_probs=q.probs.float().numpy().astype("<f4").tobytes())
+    return draft_pb2.ProposeResult(draft_token_ids=drafts, not_held=not_held,
+                                   draft_probs=q.float().numpy().astype("<f4").tobytes())
 
 
 DraftServicer.ProposeStream.experimental_thread_pool = STREAM_THREADS

@@ -17,7 +17,7 @@ from kernels.noise import choose, draw_keys, exp_noise, uniform
 from models.kv_cache import CacheFullError, PagedKVCache
 from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
-from services.sampling import Sampling, noise_seed
+from services.sampling import Sampling, TopQ, noise_seed
 from services.target import prefill as plan
 from services.target.synthetic import synthetic_accept
 
@@ -148,8 +148,8 @@ class TargetEngine:
 
     @torch.inference_mode()
     def verify(self, items: list[tuple[str, list[int], torch.Tensor | None]], logprobs: list[int | None] | None = None):
-        """items: (request id, draft tokens [k], draft probs [k, V] or None) -> Verified. logprobs: per item
-        top-n or None."""
+        """items: (request id, draft tokens [k], draft probs: [k, V], TopQ [k, w] or None) -> Verified. logprobs:
+        per item top-n or None."""
         for rid, drafts, q in items:
             if rid not in self.requests:
                 raise ServiceError("FAILED_PRECONDITION", f"request {rid!r} is not running on the target "
@@ -162,10 +162,7 @@ class TargetEngine:
             if self.synthetic_acceptance is not None and not r.sampling.greedy:
                 raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: temperature {r.sampling.temperature}, but "
                                    "--synthetic-acceptance (a benchmark mode) serves greedy requests only")
-            if q is not None and (q.shape != (len(drafts), self.vocab_size) or not bool(torch.isfinite(q).all())
-                                  or bool((q < 0).any())):
-                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: draft_probs must be {len(drafts)} x "
-                                                       f"{self.vocab_size} finite non-negative floats")
+            _check_q(rid, q, len(drafts), self.vocab_size)
         if len({rid for rid, _, _ in items}) != len(items):
             raise ServiceError("INVALID_ARGUMENT", "request ids in one Verify must be unique")
         reqs = [self.requests[rid] for rid, _, _ in items]
@@ -182,7 +179,9 @@ class TargetEngine:
             p = p[idx] * valid.to(dev)[..., None]                                    # [B, K+1, V]
             q = torch.zeros(B, K, V, device=dev)
             for b, (_, d, qb) in enumerate(items):
-                if qb is not None:
+                if isinstance(qb, TopQ):
+                    q[b, : len(d)] = qb.dense(V, dev)
+                elif qb is not None:
                     q[b, : len(d)] = qb.to(dev)
                 else:                                                               # greedy draft: one-hot
                     q[b, torch.arange(len(d), device=dev), drafts[b, : len(d)]] = 1.0
@@ -275,3 +274,22 @@ class TargetEngine:
         tk = torch.tensor([s.top_k for s in samplings], device=logits.device)
         tp = torch.tensor([s.top_p for s in samplings], device=logits.device)
         return sampling_probs(logits, t, tk, tp, any(s.truncates for s in samplings))
+
+
+def _check_q(rid: str, q, k: int, V: int) -> None:
+    """A Verify item's draft distributions: k rows of finite non-negative probabilities over token ids < V."""
+    if q is None:
+        return
+    if isinstance(q, TopQ):
+        ok = (q.ids.shape == q.probs.shape and q.ids.shape[0] == k and q.ids.numel() > 0
+              and bool(((q.ids >= 0) & (q.ids < V)).all()))
+        if not ok:
+            raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: draft_top_ids must be {k} x w token ids "
+                                                   f"below the vocabulary size {V}, as many as draft_top_probs")
+        q, what = q.probs, "draft_top_probs"
+    else:
+        ok, what = q.shape == (k, V), "draft_probs"
+        if not ok:
+            raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: draft_probs must be {k} x {V}")
+    if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
+        raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: {what} must be finite non-negative floats")

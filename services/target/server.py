@@ -16,7 +16,7 @@ from services.config import ServiceConfig
 from services.launch import run_service
 from services.ranks import RankGroup
 from services.servicer import STREAM_THREADS, ServicerBase
-from services.sampling import Sampling
+from services.sampling import Sampling, TopQ
 from services.target.synthetic import parse_profile
 from services.target.engine import TargetEngine
 from infra import grpc_server, tracing
@@ -28,6 +28,29 @@ log = logging.getLogger("tandem.target")
 def logprob_pb(entry: tuple[float, list[int], list[float]]) -> target_pb2.TokenLogprob:
     lp, ids, lps = entry
     return target_pb2.TokenLogprob(logprob=lp, top_token_ids=ids, top_logprobs=lps)
+
+
+def _draft_q(it: target_pb2.VerifyItem, V: int):
+    """A Verify item's draft distributions, sizes checked -> None, q [k, V] or TopQ [k, w] (values: the engine)."""
+    rid, k = it.request_id, len(it.draft_token_ids)
+    if it.draft_probs and (it.draft_top_ids or it.draft_top_probs):
+        raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: draft_probs and draft_top_ids / draft_top_probs "
+                           "both set; give one form of the draft's distributions")
+    if it.draft_probs:
+        if len(it.draft_probs) != k * V * 4:
+            raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: draft_probs has {len(it.draft_probs)} "
+                               f"bytes, expected {k} x {V} float32 = {k * V * 4}")
+        return torch.from_numpy(np.frombuffer(it.draft_probs, dtype="<f4").copy()).view(k, V)
+    if not (it.draft_top_ids or it.draft_top_probs):
+        return None
+    n_ids, n_probs = len(it.draft_top_ids), len(it.draft_top_probs)
+    if n_ids != n_probs or k == 0 or n_ids % (4 * k) or not 1 <= n_ids // (4 * k) <= V:
+        raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: draft_top_ids has {n_ids} bytes and "
+                           f"draft_top_probs {n_probs}, expected the same k x w x 4 bytes each with k = {k} "
+                           f"drafts and 1 <= w <= vocab {V}")
+    shape = (k, n_ids // (4 * k))
+    return TopQ(torch.from_numpy(np.frombuffer(it.draft_top_ids, dtype="<i4").astype(np.int64)).view(shape),
+                torch.from_numpy(np.frombuffer(it.draft_top_probs, dtype="<f4").copy()).view(shape))
 
 
 class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
@@ -104,14 +127,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             items = []
             for it in request.items:
                 self._limits(it, len(it.draft_token_ids))
-                q = None
-                if it.draft_probs:
-                    k = len(it.draft_token_ids)
-                    if len(it.draft_probs) != k * V * 4:
-                        raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: draft_probs has "
-                                           f"{len(it.draft_probs)} bytes, expected {k} x {V} float32 = {k * V * 4}")
-                    q = torch.from_numpy(np.frombuffer(it.draft_probs, dtype="<f4").copy()).view(k, V)
-                items.append((it.request_id, list(it.draft_token_ids), q))
+                items.append((it.request_id, list(it.draft_token_ids), _draft_q(it, V)))
             if not items:
                 raise ServiceError("INVALID_ARGUMENT", "items is empty")
             want = [it.logprobs if it.HasField("logprobs") else None for it in request.items]
