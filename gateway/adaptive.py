@@ -37,7 +37,9 @@ expected committed tokens per second.
 - Start-up. The first START_CYCLES * (cap + 1) rounds of each batch bucket with synced requests draft
   k = cap, cap - 1, .., 0 in turn (k = 0: a Propose of no drafts, so nobody is parked), so every whole k
   is measured START_CYCLES times (a median: a shape's slow first call does not decide) before the policy
-  decides. A bucket where no round drafted for REFRESH rounds drafts its synced requests' cap once, so
+  decides. After the first bucket's, a bucket's start-up waits until the batch has stayed in it SETTLE rounds
+  in a row: a batch passing through (a tail of finishing requests) is priced off the measured buckets' lines
+  (a Propose even when it drafts nothing, so nobody is parked before that bucket has been measured). A bucket where no round drafted for REFRESH rounds drafts its synced requests' cap once, so
   costs that moved are seen again; parked requests keep being probed.
 """
 from __future__ import annotations
@@ -57,6 +59,7 @@ REQUEST_DECAY = 0.95               # a request's evidence fades by this each rou
 CLASS_DECAY = 0.998               # a class's, each request-round that drafts
 SYNC_PROBE = 8                    # rounds a request stays at k = 0 beside drafting ones before a k = 1 probe
 START_CYCLES = 3                  # start-up rounds per batch bucket: this many of each k in cap .. 0
+SETTLE = 16                       # rounds a batch stays in a bucket before its start-up (after the first)
 REFRESH = 512                     # rounds of a bucket without drafts before one round drafts the cap again
 PROBE_BUDGET = 0.01               # default re-probing of parked requests: this share of the round time
 MIN_REPROBE = 16                  # rounds, at least, between two wakes (default interval)
@@ -116,6 +119,7 @@ class AdaptivePolicy(FixedPolicy):
         self.round = 0
         self.next_wake = 0
         self.started: dict[int, int] = {}               # batch bucket -> start-up rounds run
+        self.stay = (-1, 0)                             # the last round's bucket, rounds in it in a row
         self.drafted: dict[int, int] = {}               # batch bucket -> the last round that drafted
         self._last: tuple | None = None                 # the plan of the round in flight
 
@@ -146,6 +150,8 @@ class AdaptivePolicy(FixedPolicy):
     # --- the round ------------------------------------------------------------------------------------
     def plan(self, batch: list[GenRequest]) -> list[GenRequest]:
         self.round += 1
+        b = bucket(len(batch))
+        self.stay = (b, self.stay[1] + 1 if self.stay[0] == b else 1)
         self._wake(batch)
         synced = [r for r in batch if r.draft.speculate]
         caps = [r.round_k(r.k) for r in synced]
@@ -170,10 +176,12 @@ class AdaptivePolicy(FixedPolicy):
         """-> k of each synced request (the start-up schedule, a refresh, else the best point of the gain
         path) and whether this is a start-up round (sent to the draft even at k = 0)."""
         b, top = bucket(len(batch)), max(caps)
-        n = self.started.get(b, 0)
-        if n < START_CYCLES * (top + 1) and top:
+        n, full = self.started.get(b, 0), START_CYCLES * (top + 1)
+        settled = self.stay[1] >= SETTLE or n or not any(v >= full for v in self.started.values())
+        if n < full and top and settled:
             self.started[b] = n + 1
             return [min(c, top - n % (top + 1)) for c in caps], True
+        unsettled = n < full and top      # priced off the lines, but nobody parked: its start-up may follow
         if self.round - self.drafted.setdefault(b, self.round) >= REFRESH and top:
             return caps, False
         forced = []
@@ -190,7 +198,7 @@ class AdaptivePolicy(FixedPolicy):
             price, n = self.costs.pricer(len(batch)), len(batch) + sum(sum(g[:k]) for g, k in zip(gains, ks))
             log.debug("round %d batch %d: k %s, %.2f tokens in %.2f ms (k = 0: %.2f ms); p %s", self.round, len(batch),
                       ks, n, 1e3 * price(sum(ks), max(ks)), 1e3 * price(0, 0), [[round(x, 2) for x in g] for g in gains])
-        return ks, False
+        return ks, unsettled
 
     def joining(self, reqs: list[GenRequest]) -> None:
         for r in reqs:                      # their catch-up only (module docstring, Choice)
