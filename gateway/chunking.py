@@ -157,7 +157,7 @@ async def feed_draft(s: Scheduler, feed: list[GenRequest]) -> None:
             r.draft.lost()
         if not (by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):
             s.draft_lost(f"draft Propose (prefill chunk) failed ({e.code().name}: {e.details()})",
-                         restarted=e.code() == grpc.StatusCode.UNAVAILABLE)
+                         restarted=client_status(e) == grpc.StatusCode.UNAVAILABLE)
         return
     s.avail.draft_proposed()
     fed(feed, presp.results)

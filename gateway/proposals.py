@@ -108,7 +108,7 @@ async def collect(s: Scheduler, p: Proposal, batch: list[GenRequest],
             r.draft.lost()
         if not (p.by_deadlines and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):   # else: they expire
             s.draft_lost(f"draft Propose failed ({e.code().name}: {e.details()})",
-                         restarted=e.code() == grpc.StatusCode.UNAVAILABLE)
+                         restarted=client_status(e) == grpc.StatusCode.UNAVAILABLE)
         return {}
     s.avail.draft_proposed()
     split["propose"] += time.perf_counter() - t0

@@ -83,7 +83,7 @@ def give_up(s: Scheduler, chunk: list[GenRequest], e: grpc.aio.AioRpcError) -> N
     if e.code() in CONTRACT_CODES:
         for r in chunk:
             s.fail(r, client_status(e), f"target RecomputeRows: {e.details()}")
-    elif e.code() == grpc.StatusCode.UNAVAILABLE:
+    elif client_status(e) == grpc.StatusCode.UNAVAILABLE:
         s.target_lost(f"RecomputeRows failed: {e.details()}")
     else:
         log.warning("re-sync of %d requests failed (%s: %s); they finish without drafts",

@@ -242,7 +242,7 @@ class Scheduler:
     def _target_failed(self, reqs: list[GenRequest], e: grpc.aio.AioRpcError, call: str) -> None:
         """A Prefill or Verify failed: its requests end with the status (none is half-advanced: the
         gateway commits only what a call returned). UNAVAILABLE: the target is gone; refuse new requests."""
-        if e.code() == grpc.StatusCode.UNAVAILABLE:
+        if client_status(e) == grpc.StatusCode.UNAVAILABLE:
             self.target_lost(f"{call} failed: {e.details()}")
         for r in reqs:
             self.fail(r, client_status(e), f"target {call} failed: {e.details()}")

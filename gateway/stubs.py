@@ -30,12 +30,20 @@ from tandem.v1 import common_pb2, draft_pb2, target_pb2
 # service's): the requests fail with it, where any other failure of the draft only costs speed
 CONTRACT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 ROW_CONTRACT = "hidden rows contract"       # how the services' row checks begin their message (services/bridge/rows.py)
+CORE_BROKEN = "Internal error from Core"     # gRPC core's own INTERNAL, no service's: the call broke in transport
 
 
 def client_status(e: grpc.aio.AioRpcError) -> grpc.StatusCode:
     """A service's failure as the client's status: a hidden-row contract broken between target and draft is a
-    fault inside the cluster (INTERNAL, REST 500), never the client's; every other code passes through."""
-    return grpc.StatusCode.INTERNAL if ROW_CONTRACT in (e.details() or "") else e.code()
+    fault inside the cluster (INTERNAL, REST 500), never the client's; a call that broke in gRPC's transport
+    (CORE_BROKEN: the service died while it answered) is the service gone (UNAVAILABLE); every other code passes
+    through."""
+    details = e.details() or ""
+    if ROW_CONTRACT in details:
+        return grpc.StatusCode.INTERNAL
+    if e.code() == grpc.StatusCode.INTERNAL and details.startswith(CORE_BROKEN):
+        return grpc.StatusCode.UNAVAILABLE
+    return e.code()
 
 
 class TargetStub(Protocol):

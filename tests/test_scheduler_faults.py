@@ -41,11 +41,12 @@ class FakeTarget:
     def __init__(self):
         self.calls: list[tuple[str, object, float]] = []
         self.fail: grpc.StatusCode | None = None
+        self.fail_details = ""
 
     async def _call(self, name, req, timeout):
         self.calls.append((name, req, timeout))
         if self.fail is not None and name != "Release":
-            raise rpc_error(self.fail, f"{name} refused")
+            raise rpc_error(self.fail, self.fail_details or f"{name} refused")
 
     async def Prefill(self, req, timeout=None):
         await self._call("Prefill", req, timeout)
@@ -232,7 +233,11 @@ def test_contract_error_from_the_draft_fails_the_round():
     run(main())
 
 
-def test_target_unavailable_fails_the_round_and_refuses_until_back():
+@pytest.mark.parametrize("failure, details", [(grpc.StatusCode.UNAVAILABLE, ""),
+                                              (grpc.StatusCode.INTERNAL, "Internal error from Core")])
+def test_target_unavailable_fails_the_round_and_refuses_until_back(failure, details):
+    """A target that is gone: UNAVAILABLE, or gRPC core's own INTERNAL when it died in the middle of its answer
+    (seen in the chaos test: the round must fail as the target's absence, not as an internal error)."""
     async def main():
         target, draft = FakeTarget(), FakeDraft()
         s = Scheduler(target, draft, {2}, max_waiting=8)
@@ -240,7 +245,7 @@ def test_target_unavailable_fails_the_round_and_refuses_until_back():
         for r in rs:
             s.submit(r)
         await s.step()
-        target.fail = grpc.StatusCode.UNAVAILABLE
+        target.fail, target.fail_details = failure, details
         await s.step()
         for r in rs:
             assert r.finished and events(r)[-1].error[0] == grpc.StatusCode.UNAVAILABLE
