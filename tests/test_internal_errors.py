@@ -22,12 +22,16 @@ def _echo(request: bytes, context):
 
 
 ENDED = threading.Event()          # set when a stream handler returns (or raises)
+WAITING = threading.Event()        # set while a stream handler waits for its next request
 
 
 def _stream(requests, context):
     try:
+        WAITING.set()
         for r in requests:
+            WAITING.clear()
             yield _echo(r, context)
+            WAITING.set()
     finally:
         ENDED.set()
 
@@ -80,6 +84,9 @@ def test_client_cancel_is_not_an_internal_error(channel, caplog):
     sent.put(b"a")
     assert next(replies) == b"a"
     ENDED.clear()
+    # cancel while the handler waits on its request iterator (which then raises grpc.RpcError); cancelled
+    # before gRPC resumed the handler for its next answer, the handler would only be closed, nothing to log
+    assert WAITING.wait(10)
     with caplog.at_level(logging.DEBUG, logger="tandem.grpc"):
         replies.cancel()
         assert ENDED.wait(10)
