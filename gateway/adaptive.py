@@ -11,7 +11,10 @@ expected committed tokens per second.
   E[n_r(k)] = 1 + sum_{j<=k} p_r(j) tokens (the accepted drafts and the target's own token). a_ri is
   estimated from the request's rounds (reached / accepted counts at each position, fading by
   REQUEST_DECAY a round) shrunk towards its class's figure (greedy or sampled: the live counters of all
-  requests of that class, themselves starting from DEFAULT_PRIOR) with PRIOR_WEIGHT pseudo-rounds.
+  requests of that class, themselves starting from DEFAULT_PRIOR) with PRIOR_WEIGHT pseudo-rounds. Until a
+  position has been reached PRIOR_WEIGHT times the request is not priced below its class there: one early
+  failure moved a new request from 0.85 to 0.73 and parked it for the rest of its life (parked, it gathers no
+  evidence), where its class (and its truth) had drafting pay.
 - Cost. C(k) = gateway + verify_B(B + m) + [m > 0] propose(max k, m), m = sum of k, B requests:
   gateway/spec_costs.py, the measured phase times of past rounds of that shape (medians, so one slow round
   does not decide). The first Propose of a request (the draft catching up on its prompt) is paid once per
@@ -27,7 +30,10 @@ expected committed tokens per second.
   each round's choice, prices and estimates, then its outcome. A request prefilled after its round was
   planned (its first Propose rides on a Propose sent ahead) drafts 0 in it: the next plan gives it a k.
 - Depth. A request held at 0 < k < its cap for SYNC_PROBE rounds drafts k + 1 once, so the figure of the
-  position past its k is measured, not left at a few early failures (a bandit's exploration).
+  position past its k is measured, not left at a few early failures (a bandit's exploration). Every request
+  then at 0 < k < its cap goes one deeper in that same round: the deeper MTP step is paid by the whole batch
+  (on a 2-core CPU ~15 ms at batch 8, a third of the round), so probes one request at a time, staggered,
+  paid it in nearly every round.
 - Zero. A request at k = 0 while others draft still goes to the draft with 0 drafts (it catches up on
   its committed tokens, so it may draft next round); every SYNC_PROBE rounds it is probed with k = 1.
   When no request drafts, the round skips the Propose and its requests are parked (DraftState.park):
@@ -40,7 +46,10 @@ expected committed tokens per second.
   decides. After the first bucket's, a bucket's start-up waits until the batch has stayed in it SETTLE rounds
   in a row: a batch passing through (a tail of finishing requests) is priced off the measured buckets' lines
   (a Propose even when it drafts nothing, so nobody is parked before that bucket has been measured). A bucket where no round drafted for REFRESH rounds drafts its synced requests' cap once, so
-  costs that moved are seen again; parked requests keep being probed.
+  costs that moved are seen again; parked requests keep being probed. A bucket that drafted in every round
+  for PLAIN_EVERY rounds (the batch staying in it), or that has stayed PLAIN_RUN + 1 rounds with no plain
+  shape measured TRUST times, runs PLAIN_RUN rounds of k = 0 (with a Propose of no drafts, so nobody is parked):
+  k = 0 is priced by plain rounds only (gateway/spec_costs.py), and those measure it as it costs now.
 """
 from __future__ import annotations
 
@@ -61,6 +70,8 @@ SYNC_PROBE = 8                    # rounds a request stays at k = 0 beside draft
 START_CYCLES = 3                  # start-up rounds per batch bucket: this many of each k in cap .. 0
 SETTLE = 16                       # rounds a batch stays in a bucket before its start-up (after the first)
 REFRESH = 512                     # rounds of a bucket without drafts before one round drafts the cap again
+PLAIN_EVERY = 128                 # rounds in a bucket, drafting in every one, before PLAIN_RUN rounds without
+PLAIN_RUN = 3                     # (a Propose of no drafts: nobody parked), so k = 0 is priced as it is now
 PROBE_BUDGET = 0.01               # default re-probing of parked requests: this share of the round time
 MIN_REPROBE = 16                  # rounds, at least, between two wakes (default interval)
 MAX_REPROBE = 1024                # rounds, at most (256 capped the budget: at batch 1 on the H200 a probe cost ~2 %)
@@ -121,6 +132,7 @@ class AdaptivePolicy(FixedPolicy):
         self.started: dict[int, int] = {}               # batch bucket -> start-up rounds run
         self.stay = (-1, 0)                             # the last round's bucket, rounds in it in a row
         self.drafted: dict[int, int] = {}               # batch bucket -> the last round that drafted
+        self.plain_run = 0                              # plain rounds left to run (PLAIN_EVERY)
         self._last: tuple | None = None                 # the plan of the round in flight
 
     def state(self, r: GenRequest) -> RequestState:
@@ -135,9 +147,12 @@ class AdaptivePolicy(FixedPolicy):
         """p_r(1..cap): the probability that each draft position is accepted (priors: the class rates by
         position, computed once a round)."""
         st, out, p = self.state(r), [], 1.0
-        rate, prior = st.acc.rate, priors[st.greedy]
+        acc, prior = st.acc, priors[st.greedy]
         for i in range(cap):
-            p *= rate(i, prior[i], PRIOR_WEIGHT)
+            a = acc.rate(i, prior[i], PRIOR_WEIGHT)
+            if i >= len(acc.reached) or acc.reached[i] < PRIOR_WEIGHT:     # a few failures prove nothing yet
+                a = max(a, prior[i])
+            p *= a
             out.append(p)
         return out
 
@@ -184,13 +199,19 @@ class AdaptivePolicy(FixedPolicy):
         unsettled = n < full and top      # priced off the lines, but nobody parked: its start-up may follow
         if self.round - self.drafted.setdefault(b, self.round) >= REFRESH and top:
             return caps, False
-        forced = []
+        age, unpriced = self.costs.plain_age(len(batch)), self.costs.plain_s(len(batch)) is None
+        if top and (self.plain_run or min(age or 0, self.stay[1]) >= PLAIN_EVERY         # (not in passing)
+                    or unpriced and self.stay[1] >= PLAIN_RUN + 1):
+            self.plain_run = (self.plain_run or PLAIN_RUN) - 1
+            return [0] * len(caps), True
+        forced, deeper = [], any(0 < (r.round_cap or 0) < c and self.state(r).shallow >= SYNC_PROBE
+                                 for r, c in zip(synced, caps))
         for r, c in zip(synced, caps):
             st, last = self.state(r), r.round_cap or 0
             if c > 0 and (st.probing or st.idle >= SYNC_PROBE):
                 forced.append(1)
-            else:                   # one draft deeper now and then, so the next position's figure stays live
-                forced.append(min(c, last + 1) if 0 < last < c and st.shallow >= SYNC_PROBE else 0)
+            else:       # one draft deeper now and then, so the next position's figure stays live: all shallow
+                forced.append(min(c, last + 1) if 0 < last < c and deeper else 0)     # requests in one round
         priors = {g: [self.class_rate(g, i) for i in range(top)] for g in (True, False)}
         gains = [self.gains(r, c, priors) for r, c in zip(synced, caps)]
         ks = best_path(gains, forced, len(batch), 0, self.costs)

@@ -17,10 +17,18 @@ gateway the rest; gateway/request.py Observer.round_split) and from the re-syncs
 Each (B, T) of verify and each (B, steps, m) of propose keeps the median of its last WINDOW measurements:
 what a round of exactly that shape costs, read directly. One slow round (a first call of a shape, a kernel
 compiled on first use, a neighbour's burst on the machine) cannot move a median of three. A median not
-renewed in FRESH rounds is not read any more (the start-up's plain rounds, priced once, kept a batch
-drafting where plain rounds had become cheaper than those: context, load and the machine move): such shapes, and shapes not measured yet, are read off a line fitted to the measured ones (weighted by their counts, fading with age;
-no negative slope: one more token or step never looks like a saving); a bucket with no measurement at all
+renewed in FRESH rounds is not read any more (context, load and the machine move): such shapes, and shapes not
+measured yet, are read off a line fitted to the measured ones (weighted by their counts, fading with age; no
+negative slope: one more token or step never looks like a saving); a bucket with no measurement at all
 borrows its nearest measured neighbour's line.
+
+A round without drafts is priced by its own measurements only (plain_s), not off the line: a verify of one
+token per request is a different step from one with drafts (on this project's 2-core CPU at batch 1 the line
+through 2-4 tokens priced a plain round at 15-17 ms while plain rounds took 12-13 ms), and pricing it off the
+line made drafting look cheaper than it was (in a replay of that CPU's costs, batch 32 drafted k ~ 3 at
+0.67-0.75x of K = 0). Plain shapes stay in the line (it prices drafting shapes not measured lately; without
+them, first calls of new shapes could bend it flat). Plain rounds are measured whenever nobody drafts; while a
+bucket drafts every round, the policy runs PLAIN_RUN of them every PLAIN_EVERY (gateway/adaptive.py).
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ TRUST = 3               # measurements of a shape before its own median is used 
 FRESH = 32              # rounds of its table after which a shape's median is stale (read off the line)
 AGE = 0.98              # weight of a shape in the line, per round since its last measurement
 GATEWAY_RATE = 0.1      # moving average of the gateway's share of a round
+OUTLIER = 2.0           # a shape this many times the line through all stays out of it
 PRICE_ROUNDS = 8        # rounds a priced round shape is reused (CostModel.pricer)
 
 
@@ -84,11 +93,24 @@ class Table:
 
 def line(shapes: dict[tuple, Shape], now: int) -> list[float]:
     """Weighted least squares of the shapes' medians on their inputs, with no negative slope (a feature whose
-    slope comes out negative is dropped and the rest refitted); ridge-guarded against inputs that do not vary."""
+    slope comes out negative is dropped and the rest refitted); ridge-guarded against inputs that do not vary.
+    A shape whose median is more than OUTLIER times the line through all is a fault of its measurements
+    (first calls of a shape in most of its rounds), not a price: the line is fitted again without it."""
     trusted = {x: s for x, s in shapes.items() if len(s.obs) >= TRUST}
     if len(trusted) >= 2:               # a shape measured once or twice (maybe a slow first call) stays out
         shapes = trusted
     pts = [(x, s.value, len(s.obs) * AGE ** (now - s.last)) for x, s in shapes.items()]
+    coef = fit(pts)
+    kept = [p for p in pts if p[1] <= OUTLIER * at(coef, p[0])]
+    return fit(kept) if 2 <= len(kept) < len(pts) else coef
+
+
+def at(coef: list[float], x: tuple) -> float:
+    return coef[0] + sum(c * v for c, v in zip(coef[1:], x))
+
+
+def fit(pts: list[tuple]) -> list[float]:
+    """The weighted, non-negative-slope least squares of line() over (x, y, weight) points."""
     size = 1 + len(pts[0][0])
     active = list(range(1, size))
     while True:
@@ -151,11 +173,35 @@ class CostModel:
     def verify_s(self, batch: int, tokens: int) -> float:
         b = bucket(batch)
         t = self.verify.get(b)
-        y = t.predict((batch, tokens)) if t is not None else None
+        y = self.plain_s(batch) if tokens == batch else None
+        if y is None and t is not None:
+            y = t.predict((batch, tokens))
         if y is None:                   # a new bucket: its nearest measured neighbour's line
             near = min((k for k, f in self.verify.items() if f.coef), key=lambda k: abs(k - b), default=None)
             y = 0.0 if near is None else self.verify[near].predict((batch, tokens)) or 0.0
         return y
+
+    def plain_s(self, batch: int) -> float | None:
+        """verify of a round without drafts, from the bucket's plain rounds alone (module docstring): this
+        batch's median, at any age, or the nearest batch's moved along the line's batch and token slopes.
+        None (read off the line; the policy runs plain rounds): no plain shape of the bucket has TRUST rounds."""
+        t = self.verify.get(bucket(batch))
+        if t is None:
+            return None
+        slope = t.coef[1] + t.coef[2] if t.coef is not None else 0.0      # one more request, one more token
+        best = None                                 # the nearest TRUST-ed shape: (distance, age), batch, price
+        for x, s in t.shapes.items():
+            if x[0] == x[1] and len(s.obs) >= TRUST:
+                key = (abs(x[0] - batch), -s.last)
+                if best is None or key < best[0]:
+                    best = (key, x[0], s.value)
+        return None if best is None else max(0.0, best[2] + slope * (batch - best[1]))
+
+    def plain_age(self, batch: int) -> int | None:
+        """Rounds since this batch's bucket last ran a round without drafts (None: never)."""
+        t = self.verify.get(bucket(batch))
+        last = max((s.last for x, s in t.shapes.items() if x[0] == x[1]), default=None) if t else None
+        return None if last is None else self.rounds - last
 
     def propose_s(self, batch: int, steps: int, drafts: int) -> float:
         return (self.propose.predict((batch, steps, drafts)) or 0.0) if drafts else 0.0
@@ -176,8 +222,10 @@ class CostModel:
         def price(drafts: int, steps: int) -> float:
             y = memo.get((drafts, steps))
             if y is None:
-                y = (verify((batch, batch + drafts)) or 0.0) + ((propose((batch, steps, drafts)) or 0.0) if drafts
-                                                                else 0.0)
+                if drafts:
+                    y = (verify((batch, batch + drafts)) or 0.0) + (propose((batch, steps, drafts)) or 0.0)
+                else:
+                    y = self.verify_s(batch, batch)
                 memo[drafts, steps] = y
             return gateway + y
         return price

@@ -8,6 +8,7 @@ import pytest
 
 from gateway.adaptive import SYNC_PROBE, AdaptivePolicy, FixedPolicy, best_path
 from gateway.request import GenRequest
+from gateway import spec_costs
 from gateway.spec_costs import CostModel
 from tandem.v1 import rows_pb2
 
@@ -190,19 +191,53 @@ def test_a_drafting_rounds_extra_gateway_share_is_priced_with_its_propose():
 
 
 def test_a_median_not_renewed_is_read_off_the_line():
-    """The start-up measured plain rounds dear (50 ms); drafting rounds since show a line through 30 ms at no
-    drafts: after FRESH rounds the plain shape is priced off that line, not by its stale median (on a 2-core
-    CPU the stale price kept a batch drafting where plain rounds were 1.5x cheaper)."""
+    """A drafting shape not measured for FRESH rounds is priced off the line through the shapes measured since,
+    not by its stale median; measured again, its own median."""
     from gateway.spec_costs import FRESH
     costs = CostModel()
     for _ in range(3):
-        costs.observe_round(8, 8, {"verify": 0.050}, None)
-    assert costs.verify_s(8, 8) == pytest.approx(0.050)
+        costs.observe_round(8, 12, {"verify": 0.050}, None)
+    assert costs.verify_s(8, 12) == pytest.approx(0.050)
     for i in range(FRESH + 1):
         t = (16, 24)[i % 2]
         costs.observe_round(8, t, {"verify": 0.030 + 0.0025 * (t - 8)}, None)
-    assert costs.verify_s(8, 8) < 0.045                      # the line (the old point fades), not 50 ms
+    assert costs.verify_s(8, 12) < 0.045                     # the line (the old point fades), not 50 ms
     for _ in range(3):
-        costs.observe_round(8, 8, {"verify": 0.031}, None)
-    assert costs.verify_s(8, 8) == pytest.approx(0.031)      # measured again: its own median
+        costs.observe_round(8, 12, {"verify": 0.041}, None)
+    assert costs.verify_s(8, 12) == pytest.approx(0.041)     # measured again: its own median
 
+
+def test_a_plain_round_is_priced_by_plain_rounds_only():
+    """On a 2-core CPU a verify of one token per request cost 12-16 ms where the line through 2-4 tokens met
+    19 ms at one token, so drafting looked cheaper than it was (batch 32 drafted k ~ 3 at 0.67-0.75x of K = 0
+    in the CPU replay). The plain shape is priced by its own median at any age (the policy measures it again),
+    and an unmeasured batch of its bucket by the nearest plain shape, moved along the line's slopes."""
+    from gateway.spec_costs import FRESH
+    costs = CostModel()
+    for _ in range(3):
+        costs.observe_round(8, 8, {"verify": 0.030}, None)
+        for t in (16, 24):
+            costs.observe_round(8, t, {"verify": 0.040 + 0.001 * (t - 8)}, None)
+    assert costs.verify_s(8, 8) == pytest.approx(0.030) and costs.pricer(8)(0, 0) == pytest.approx(0.030)
+    assert spec_costs.at(costs.verify[3].coef, (8, 8)) > 0.031                # where the line would have put it
+    for _ in range(FRESH + 1):
+        costs.observe_round(8, 16, {"verify": 0.048}, None)
+    assert costs.verify_s(8, 8) == pytest.approx(0.030)                    # stale, still its own measurement
+    assert costs.plain_age(8) == FRESH + 3 and costs.plain_age(20) is None
+    for _ in range(3):
+        costs.observe_round(8, 8, {"verify": 0.020}, None)
+    assert costs.verify_s(8, 8) == pytest.approx(0.020)
+    slope = sum(costs.verify[3].coef[1:])
+    assert costs.verify_s(7, 7) == pytest.approx(0.020 - slope) and slope > 0
+
+
+def test_a_bucket_that_always_drafts_prices_k0_again_without_parking():
+    """Every PLAIN_EVERY rounds of drafting, PLAIN_RUN rounds of k = 0 that still go to the draft."""
+    from gateway.adaptive import PLAIN_EVERY, PLAIN_RUN
+    policy, reqs = AdaptivePolicy(4), [request(i, 4) for i in range(8)]
+    log = simulate(policy, reqs, {r.id: [0.95] for r in reqs}, CHEAP, 2 * PLAIN_EVERY + 40)
+    plain = [i for i, d in enumerate(log) if i >= 20 and d and not any(d.values())]
+    assert len(plain) == 2 * PLAIN_RUN, plain
+    assert plain[PLAIN_RUN] - plain[0] >= PLAIN_EVERY and plain[PLAIN_RUN - 1] - plain[0] == PLAIN_RUN - 1
+    assert policy.parks == 0 and all(r.draft.speculate for r in reqs)
+    assert mean_k(log, [r.id for r in reqs], 20) > 3.5
