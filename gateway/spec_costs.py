@@ -40,7 +40,7 @@ TRUST = 3               # measurements of a shape before its own median is used 
 FRESH = 32              # rounds of its table after which a shape's median is stale (read off the line)
 AGE = 0.98              # weight of a shape in the line, per round since its last measurement
 GATEWAY_RATE = 0.1      # moving average of the gateway's share of a round
-OUTLIER = 2.0           # a shape this many times the line through all stays out of it
+OUTLIER = 2.0           # a shape this many times the line through the rest stays out of it
 PRICE_ROUNDS = 8        # rounds a priced round shape is reused (CostModel.pricer)
 
 
@@ -94,15 +94,22 @@ class Table:
 def line(shapes: dict[tuple, Shape], now: int) -> list[float]:
     """Weighted least squares of the shapes' medians on their inputs, with no negative slope (a feature whose
     slope comes out negative is dropped and the rest refitted); ridge-guarded against inputs that do not vary.
-    A shape whose median is more than OUTLIER times the line through all is a fault of its measurements
-    (first calls of a shape in most of its rounds), not a price: the line is fitted again without it."""
+    A shape whose median is more than OUTLIER times the line through the rest (and the cheapest of the rest) is a
+    fault of its measurements (first calls of a shape in most of its rounds), not a price: it stays out (the three
+    dearest shapes are checked)."""
     trusted = {x: s for x, s in shapes.items() if len(s.obs) >= TRUST}
     if len(trusted) >= 2:               # a shape measured once or twice (maybe a slow first call) stays out
         shapes = trusted
     pts = [(x, s.value, len(s.obs) * AGE ** (now - s.last)) for x, s in shapes.items()]
     coef = fit(pts)
-    kept = [p for p in pts if p[1] <= OUTLIER * at(coef, p[0])]
-    return fit(kept) if 2 <= len(kept) < len(pts) else coef
+    for p in sorted(pts, key=lambda p: -p[1])[:3]:         # the dearest shapes, each against the line of the rest
+        rest = [q for q in pts if q is not p]
+        if len(rest) < 2:
+            break
+        c = fit(rest)
+        if p[1] > OUTLIER * max(at(c, p[0]), min(q[1] for q in rest)):
+            pts, coef = rest, c
+    return coef
 
 
 def at(coef: list[float], x: tuple) -> float:

@@ -241,3 +241,15 @@ def test_a_bucket_that_always_drafts_prices_k0_again_without_parking():
     assert plain[PLAIN_RUN] - plain[0] >= PLAIN_EVERY and plain[PLAIN_RUN - 1] - plain[0] == PLAIN_RUN - 1
     assert policy.parks == 0 and all(r.draft.speculate for r in reqs)
     assert mean_k(log, [r.id for r in reqs], 20) > 3.5
+
+
+def test_a_shape_far_over_the_line_stays_out_of_it():
+    """A shape whose rounds were mostly first calls (20x) would lift the line that prices unmeasured shapes;
+    more than OUTLIER times the line, it is left out of the fit."""
+    costs = CostModel()
+    for _ in range(3):
+        for t in (32, 64, 96):
+            costs.observe_round(32, t, {"verify": 0.010 + 0.0001 * t}, None)
+        costs.observe_round(32, 128, {"verify": 0.2}, None)         # first calls in most of its rounds
+    assert costs.verify_s(32, 80) == pytest.approx(0.018, rel=0.02)
+    assert costs.verify_s(32, 128) == pytest.approx(0.2)            # its own median, where measured
