@@ -12,9 +12,9 @@ expected committed tokens per second.
   estimated from the request's rounds (reached / accepted counts at each position, fading by
   REQUEST_DECAY a round) shrunk towards its class's figure (greedy or sampled: the live counters of all
   requests of that class, themselves starting from DEFAULT_PRIOR) with PRIOR_WEIGHT pseudo-rounds. Until a
-  position has been reached PRIOR_WEIGHT times the request is not priced below its class there: one early
-  failure moved a new request from 0.85 to 0.73 and parked it for the rest of its life (parked, it gathers no
-  evidence), where its class (and its truth) had drafting pay.
+  position has been reached PRIOR_WEIGHT times the request is not priced below its class there: in the CPU
+  replay (tests/test_adaptive_replay.py) one early failure moved a new request from 0.85 to 0.73 and parked it
+  for its life (parked, it gathers no evidence) where its class and its truth had drafting pay.
 - Cost. C(k) = gateway + verify_B(B + m) + [m > 0] propose(max k, m), m = sum of k, B requests:
   gateway/spec_costs.py, the measured phase times of past rounds of that shape (medians, so one slow round
   does not decide). The first Propose of a request (the draft catching up on its prompt) is paid once per
@@ -199,9 +199,9 @@ class AdaptivePolicy(FixedPolicy):
         unsettled = n < full and top      # priced off the lines, but nobody parked: its start-up may follow
         if self.round - self.drafted.setdefault(b, self.round) >= REFRESH and top:
             return caps, False
-        age, unpriced = self.costs.plain_age(len(batch)), self.costs.plain_s(len(batch)) is None
+        age = self.costs.plain_age(len(batch))
         if top and (self.plain_run or min(age or 0, self.stay[1]) >= PLAIN_EVERY         # (not in passing)
-                    or unpriced and self.stay[1] >= PLAIN_RUN + 1):
+                    or self.stay[1] > PLAIN_RUN and self.costs.plain_s(len(batch)) is None):
             self.plain_run = (self.plain_run or PLAIN_RUN) - 1
             return [0] * len(caps), True
         forced, deeper = [], any(0 < (r.round_cap or 0) < c and self.state(r).shallow >= SYNC_PROBE

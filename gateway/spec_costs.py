@@ -25,8 +25,8 @@ borrows its nearest measured neighbour's line.
 A round without drafts is priced by its own measurements only (plain_s), not off the line: a verify of one
 token per request is a different step from one with drafts (on this project's 2-core CPU at batch 1 the line
 through 2-4 tokens priced a plain round at 15-17 ms while plain rounds took 12-13 ms), and pricing it off the
-line made drafting look cheaper than it was (in a replay of that CPU's costs, batch 32 drafted k ~ 3 at
-0.67-0.75x of K = 0). Plain shapes stay in the line (it prices drafting shapes not measured lately; without
+line made drafting look cheaper than it was (in a replay of that CPU's costs with 20x slow first calls,
+batch 32 drafted k ~ 3 at 0.67-0.75x of K = 0). Plain shapes stay in the line (it prices drafting shapes not measured lately; without
 them, first calls of new shapes could bend it flat). Plain rounds are measured whenever nobody drafts; while a
 bucket drafts every round, the policy runs PLAIN_RUN of them every PLAIN_EVERY (gateway/adaptive.py).
 """

@@ -210,7 +210,7 @@ def test_a_median_not_renewed_is_read_off_the_line():
 def test_a_plain_round_is_priced_by_plain_rounds_only():
     """On a 2-core CPU a verify of one token per request cost 12-16 ms where the line through 2-4 tokens met
     19 ms at one token, so drafting looked cheaper than it was (batch 32 drafted k ~ 3 at 0.67-0.75x of K = 0
-    in the CPU replay). The plain shape is priced by its own median at any age (the policy measures it again),
+    in the CPU replay with 20x slow first calls). The plain shape is priced by its own median at any age (the policy measures it again),
     and an unmeasured batch of its bucket by the nearest plain shape, moved along the line's slopes."""
     from gateway.spec_costs import FRESH
     costs = CostModel()
