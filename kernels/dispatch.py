@@ -33,10 +33,10 @@ from kernels import rows as _ref_rows
 from kernels import speculative as _ref_spec
 from kernels.speculative import argmax_rows, sampling_probs  # noqa: F401  (no Triton kernel: always the reference)
 
-__all__ = ["sampling_probs", "rms_norm", "silu_mul", "rotary", "route", "greedy_verify", "rejection_sample",
-           "pad_rows", "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla", "paged_attention", "moe_path",
-           "chain_verifier", "prefill_form", "prefill_attention", "expanded_attention", "fp8_linear",
-           "attention_backend", "use_triton", "use_triton_forced", "triton_available", "mode"]
+__all__ = ["sampling_probs", "rms_norm", "silu_mul", "rotary", "write_latent", "route", "greedy_verify",
+           "rejection_sample", "pad_rows", "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla",
+           "paged_attention", "moe_path", "chain_verifier", "prefill_form", "prefill_attention", "expanded_attention",
+           "fp8_linear", "attention_backend", "use_triton", "use_triton_forced", "triton_available", "mode"]
 
 log = logging.getLogger("tandem.kernels")
 ENV = "TANDEM_KERNELS"
@@ -197,6 +197,16 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, fac
 ROUTER_ROWS = 128      # Triton's router logits up to here (decode and verify steps); above: cuBLAS
 
 
+def write_latent(q_pe, kv_a, weight, eps: float, positions, inv_freq, factor: float, interleave: bool,
+                 slot_mapping, ckv, kpe) -> torch.Tensor:
+    """q_pe [N, h, P] turned -> returned; RMSNorm(c_kv) and k_pe turned (kv_a [N, R + P]) written into the cache at
+    slot_mapping (kernels/mla.py); one launch in Triton where no value is rounded twice (the model's dtypes)."""
+    args = (q_pe, kv_a, weight, eps, positions, inv_freq, factor, interleave, slot_mapping, ckv, kpe)
+    fused = use_triton(kv_a) and _inference(kv_a, weight) and _mod("triton_mla_write").supported(q_pe, kv_a, weight,
+                                                                                                    ckv, kpe)
+    return (_mod("triton_mla_write").write_latent_triton if fused else _ref_mla.write_latent)(*args)
+
+
 def router_logits(x: torch.Tensor, w: torch.Tensor):
     """x [N, D] . w [E, D] -> [N, E] fp32, each row's bits its own, in Triton for N <= ROUTER_ROWS (decode and
     verify steps; long prefills keep cuBLAS); None: the caller's reference."""
@@ -218,9 +228,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """x [..., K], w [N, K] fp8 e4m3 with s [ceil(N/128), ceil(K/128)] block scales -> [..., N] in x's dtype
     (kernels/fp8.py: activations quantized per token per 128 columns); the small-M Triton GEMM on CUDA."""
-    if use_triton(x) and _inference(x):
-        return _mod("triton_fp8").fp8_linear_triton(x, w, s)
-    return _ref_fp8.fp8_linear(x, w, s)
+    return (_mod("triton_fp8").fp8_linear_triton if use_triton(x) and _inference(x) else _ref_fp8.fp8_linear)(x, w, s)
 
 
 def moe_path(x: torch.Tensor) -> str:
@@ -259,25 +267,22 @@ def sparse_mla(q_lat, q_pe, ckv, kpe, block_tables, token_request, indices, scal
     """MLA over the selected keys only (kernels/dsa.py) -> [N, h, R]. `backend` as the dense attention's
     (AttentionBatch.attention_backend, else attention_backend()): 'reference' is PyTorch, any other Triton."""
     args = (q_lat, q_pe, ckv, kpe, block_tables, token_request, indices, scale)
-    if (backend or attention_backend(q_lat, q_pe, ckv)) == "reference":
-        return _ref_dsa.sparse_mla(*args)
-    return _mod("triton_dsa").sparse_mla_triton(*args)
+    reference = (backend or attention_backend(q_lat, q_pe, ckv)) == "reference"
+    return (_ref_dsa.sparse_mla if reference else _mod("triton_dsa").sparse_mla_triton)(*args)
 
 
 def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):
     """target_ids [B, K+1], draft_ids [B, K], num_drafts [B] -> accepted [B], emitted [B, K+1]."""
-    if use_triton(target_ids):
-        return _mod("triton_speculative").greedy_verify_triton(target_ids, draft_ids, num_drafts)
-    return _ref_spec.greedy_verify(target_ids, draft_ids, num_drafts)
+    f = _mod("triton_speculative").greedy_verify_triton if use_triton(target_ids) else _ref_spec.greedy_verify
+    return f(target_ids, draft_ids, num_drafts)
 
 
 def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
                      uniform: torch.Tensor, exp_noise: torch.Tensor):
     """p [B, K+1, V], q [B, K, V], draft_ids [B, K], num_drafts [B], uniform [B, K], exp_noise [B, V]
     -> accepted [B], emitted [B, K+1]."""
-    if use_triton(p):
-        return _mod("triton_speculative").rejection_sample_triton(p, q, draft_ids, num_drafts, uniform, exp_noise)
-    return _ref_spec.rejection_sample(p, q, draft_ids, num_drafts, uniform, exp_noise)
+    f = _mod("triton_speculative").rejection_sample_triton if use_triton(p) else _ref_spec.rejection_sample
+    return f(p, q, draft_ids, num_drafts, uniform, exp_noise)
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -287,13 +292,9 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def pad_shard_rows(x: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     # x: [N, D] -> rank's [ceil(N / tp), D] of pad_rows(x, tp)
-    if use_triton(x):
-        return _mod("triton_rows").pad_shard_rows_triton(x, tp, rank)
-    return _ref_rows.pad_shard_rows(x, tp, rank)
+    return (_mod("triton_rows").pad_shard_rows_triton if use_triton(x) else _ref_rows.pad_shard_rows)(x, tp, rank)
 
 
 def trim_rows(gathered: torch.Tensor, n: int) -> torch.Tensor:
     # gathered: [tp * S, D] -> [n, D] (the reference returns a view, the kernel a contiguous copy)
-    if use_triton(gathered):
-        return _mod("triton_rows").trim_rows_triton(gathered, n)
-    return _ref_rows.trim_rows(gathered, n)
+    return (_mod("triton_rows").trim_rows_triton if use_triton(gathered) else _ref_rows.trim_rows)(gathered, n)

@@ -5,6 +5,21 @@ from __future__ import annotations
 
 import torch
 
+from kernels import norm
+
+
+def write_latent(q_pe, kv_a, weight, eps: float, positions, inv_freq, factor: float, interleave: bool, slot_mapping,
+                 ckv, kpe) -> torch.Tensor:
+    """A step's MLA inputs (kernels/triton_mla_write.py does it in one launch): q_pe [N, h, P] -> q_pe turned by
+    its positions; c_kv, k_pe = kv_a [N, R + P] split -> RMSNorm(c_kv) into ckv and k_pe turned into kpe, at
+    slot_mapping [N] (flat slots of the paged cache)."""
+    R, P = ckv.shape[-1], kpe.shape[-1]
+    c_kv, k_pe = kv_a.split([R, P], -1)
+    ckv.view(-1, R)[slot_mapping] = norm.rms_norm(c_kv, weight, eps).to(ckv.dtype)
+    k_pe = norm.rotary(k_pe[:, None], positions, inv_freq, factor, interleave)[:, 0]
+    kpe.view(-1, P)[slot_mapping] = k_pe.to(kpe.dtype)
+    return norm.rotary(q_pe, positions, inv_freq, factor, interleave)
+
 
 def latent_attention(q_lat, q_pe, batch, ckv, kpe, scale: float) -> torch.Tensor:
     """Reference attention over the latent cache. q_lat: [N, h, R], q_pe: [N, h, P] -> [N, h, R]."""

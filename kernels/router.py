@@ -27,7 +27,7 @@ class RouteSpec:
 
 
 def select(logits: torch.Tensor, bias: torch.Tensor | None, spec: RouteSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    # logits: [N, E] fp32, bias: [E] fp32 or None -> weights [N, top_k] fp32, ids [N, top_k] int64
+    # logits: [N, E] fp32, bias: [E] (fp32, or promoted to it) or None -> weights [N, top_k] fp32, ids [N, top_k] int64
     scores = logits.sigmoid() if spec.sigmoid else logits.softmax(-1)
     choice = scores + bias if bias is not None else scores
     if spec.n_group > 1:

@@ -30,7 +30,7 @@ from models.config import ModelConfig
 from models.indexer import Indexer
 from models.kv_cache import AttentionBatch, LayerKV
 from models.layers import (ColumnParallelLinear, ReplicatedLinear, RMSNorm, RotaryEmbedding,
-                           RowParallelLinear, fused, linear)
+                           RowParallelLinear, fused, gemm_rows, linear)
 from models.parallel import ParallelState, SINGLE
 
 
@@ -63,12 +63,9 @@ class MLAttention(nn.Module):
         ckv, kpe = kv.ckv, kv.kpe
         q, q_latent, kv_a = self.project(x)
         q_nope, q_pe = q.view(N, h, -1).split([self.nope, self.rope_dim], -1)   # [N, h, nope], [N, h, P]
-        q_pe = self.rotary(q_pe, batch.positions)
-        c_kv, k_pe = kv_a.split([self.rank, self.rope_dim], -1)
-        c_kv = self.kv_a_layernorm(c_kv)                                          # [N, R]
-        k_pe = self.rotary(k_pe[:, None, :], batch.positions)[:, 0]               # [N, P]
-        ckv.view(-1, self.rank)[batch.slot_mapping] = c_kv.to(ckv.dtype)
-        kpe.view(-1, self.rope_dim)[batch.slot_mapping] = k_pe.to(kpe.dtype)
+        rot, norm = self.rotary, self.kv_a_layernorm     # q_pe turned; c_kv normed and k_pe turned into the cache
+        q_pe = dispatch.write_latent(q_pe, kv_a, norm.weight, norm.eps, batch.positions, rot.inv_freq,
+                                     rot.attention_factor, rot.interleave, batch.slot_mapping, ckv, kpe)
 
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]                          # [h, nope, R], [h, v, R]
@@ -86,8 +83,17 @@ class MLAttention(nn.Module):
         else:                                                                     # only the selected keys
             out_lat = dispatch.sparse_mla(q_lat, q_pe, ckv, kpe, batch.block_tables, batch.token_request,
                                           picks, self.scale, batch.attention_backend)
-        out = torch.einsum("nhr,hvr->nhv", out_lat, w_uv).reshape(N, h * self.v_dim)
-        return self.o_proj(out)
+        return self.o_proj(self.up_values(out_lat, w_uv))
+
+    def up_values(self, out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        # out_lat [N, h, R] . w_uv [h, v, R] -> [N, h * v]; at inference written by the batched GEMM straight into
+        # o_proj's input rows (the first rows of a gemm_rows buffer: no reshape copy, no copy into the buffer)
+        N, h, _ = out_lat.shape
+        if torch.is_grad_enabled():
+            return torch.einsum("nhr,hvr->nhv", out_lat, w_uv).reshape(N, h * self.v_dim)
+        out = out_lat.new_empty(max(N, gemm_rows(out_lat)), h * self.v_dim)[:N]
+        torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.view(N, h, self.v_dim).transpose(0, 1))
+        return out
 
     def project(self, x: torch.Tensor):
         # x: [N, D] -> (q [N, h * qk], q_latent [N, q_lora] | None, kv_a [N, R + P]); the two projections that read x

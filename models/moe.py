@@ -90,7 +90,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [N, D] -> weights [N, k] (fp32), expert ids [N, k]
         logits = router_logits(x, self.weight)
-        bias = self.e_score_correction_bias.float() if hasattr(self, "e_score_correction_bias") else None
+        bias = getattr(self, "e_score_correction_bias", None)   # in fp32 where it is used (no cast launch here)
         return dispatch.route(logits, bias, self.spec)          # kernels/router.py: the rule
 
 

@@ -14,8 +14,8 @@ def test_bench_rows_reports_each_quantization_and_batch(tmp_path):
                        "--drafts", "3", "--batches", "1,3", "--out", str(out)]) == 0
     r = json.loads((out / "rows.json").read_text())
     assert [(x["quantization"], x["batch"]) for x in r["runs"]] == [("none", 1), ("none", 3), ("fp8", 1), ("fp8", 3)]
-    for run in r["runs"]:
-        assert run["rows"] == 4 and run["compared"] > 20
+    for run in r["runs"]:      # the tiny model's modules with a row a token (the MLA's latent write is one call)
+        assert run["rows"] == 4 and run["compared"] > 15
         for d in run["differ"]:
             assert d["module"] and (d["max_abs_diff"] is None or d["max_abs_diff"] > 0), d
             assert 1 <= d["rows_differ"] <= run["batch"], d
@@ -26,7 +26,7 @@ def test_bench_rows_one_row_against_one_row_is_identical(tmp_path):
     assert bench_main(["rows", "--device", "cpu", "--random-config", "tiny", "--drafts", "0", "--batches", "1,3",
                        "--out", str(tmp_path)]) == 0
     for run in json.loads((tmp_path / "rows.json").read_text())["runs"]:
-        assert run["rows"] == 1 and run["compared"] > 20 and run["differ"] == [], run["differ"][:3]
+        assert run["rows"] == 1 and run["compared"] > 15 and run["differ"] == [], run["differ"][:3]
 
 
 def test_compare_takes_each_requests_first_verify_row():

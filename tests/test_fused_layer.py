@@ -1,4 +1,5 @@
-"""The launches a decoder layer saves (issue 14): the residual add inside the norm after it, SwiGLU's gate and up as
+"""The launches a decoder layer saves (issue 14): the MLA's cache writes with their norm and rotaries, the residual
+add inside the norm after it, SwiGLU's gate and up as
 one GEMM and one silu-times-up launch, the shared experts added in the fused MoE's last launch, and norm / SwiGLU
 outputs that are the first rows of a LINEAR_ROWS-row buffer, so dense_linear takes them without a copy.
 
@@ -10,7 +11,8 @@ import torch
 
 from kernel_backends import CUDA, NO_CUDA, dev, launches, rel, triton  # noqa: E402,F401
 
-from kernels import norm, triton_norm  # noqa: E402
+from kernels import mla, norm, triton_norm  # noqa: E402
+from kernels.triton_mla_write import write_latent_triton  # noqa: E402
 from kernels.triton_moe import fused_moe_triton  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.layers import LINEAR_ROWS, dense_linear  # noqa: E402
@@ -53,6 +55,41 @@ def test_silu_mul_is_silu_gate_times_up(dev, dtype, launches):
     # tl.exp and torch's expf may differ in the last bit of fp32, which a bf16 result mostly hides
     assert rel(out, ref) <= (1e-6 if dtype == torch.float32 else 1e-2), rel(out, ref)
     assert dev == "cuda" or launches["_silu_mul_kernel"] == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleave", [True, False])
+def test_latent_write_is_the_norm_and_rotaries_it_replaces(dev, dtype, interleave, launches):
+    # V2-Lite's MLA widths (h 16, R 512, P 64) at 5 rows: q_pe and kv_a are views of the projections' outputs
+    g = torch.Generator().manual_seed(6)
+    N, H, R, P = 5, 16, 512, 64
+    q = (torch.randn(N, H * 192 + 8, generator=g) * 2).to(dtype).to(dev)
+    q_pe = q[:, :H * 192].view(N, H, 192)[..., 128:]                          # [N, h, P], row stride H * 192 + 8
+    kv_a = (torch.randn(N, R + P + 32, generator=g) * 3).to(dtype).to(dev)[:, :R + P]
+    w = (torch.rand(R, generator=g) + 0.5).to(dtype).to(dev)
+    pos = torch.tensor([0, 7, 300, 4095, 12]).to(dev)
+    slots = torch.tensor([3, 40, 17, 0, 63]).to(dev)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, P, 2).float() / P)).to(dev)
+    (ckv, kpe), (ckv2, kpe2), (ckv3, kpe3) = ((torch.zeros(4, 16, R, dtype=dtype, device=d),
+                                                torch.zeros(4, 16, P, dtype=dtype, device=d))
+                                               for d in (dev, dev, "cpu"))
+    out = write_latent_triton(q_pe, kv_a, w, 1e-6, pos, inv_freq, 0.7, interleave, slots, ckv, kpe)
+    assert dev == "cuda" or launches["_write_kernel"] == 1 and sum(launches.values()) == 1   # one launch
+    # the separate one-launch kernels, written as the layer wrote them before: bit for bit
+    ref_q = triton_norm.rotary(q_pe, pos, inv_freq, 0.7, interleave)
+    ckv2.view(-1, R)[slots] = triton_norm.rms_norm(kv_a[:, :R], w, 1e-6)
+    kpe2.view(-1, P)[slots] = triton_norm.rotary(kv_a[:, None, R:], pos, inv_freq, 0.7, interleave)[:, 0]
+    assert out.shape == (N, H, P) and out.dtype == dtype
+    assert torch.equal(out.cpu(), ref_q.cpu())
+    assert torch.equal(ckv.cpu(), ckv2.cpu()) and torch.equal(kpe.cpu(), kpe2.cpu())
+    # and the PyTorch reference, to rounding; slots nobody wrote stay untouched
+    ref = mla.write_latent(q_pe.cpu(), kv_a.cpu(), w.cpu(), 1e-6, pos.cpu(), inv_freq.cpu(), 0.7, interleave,
+                           slots.cpu(), ckv3, kpe3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel(out, ref) <= tol and rel(ckv, ckv3) <= tol and rel(kpe, kpe3) <= tol
+    written = torch.zeros(64, dtype=torch.bool)
+    written[slots.cpu()] = True
+    assert not ckv.view(-1, R)[~written.to(dev)].any() and not kpe.view(-1, P)[~written.to(dev)].any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -134,3 +171,4 @@ def test_model_with_deferred_residuals_equals_the_layer_by_layer_sum():
         ref = model.norm(x)
     assert torch.equal(out, ref)
     assert not torch.equal(out, model.norm(model.embed_tokens(ids)))          # the layers did something
+

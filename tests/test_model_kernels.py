@@ -362,6 +362,12 @@ def test_router_choice_matches_reference(dev, name, launches):
         groups = (ids // (E // spec.n_group)).cpu()
         assert all(len(set(row.tolist())) <= spec.topk_group for row in groups)
     assert dev == "cuda" or launches["_route_kernel"] == 1
+    if bias is not None:          # a bf16 model's bias goes in as it is (no cast launch): the same choice
+        b16 = bias.to(torch.bfloat16)
+        for select in (triton_router.select, router.select):
+            w1, ids1 = select(logits, b16, spec)
+            w2, ids2 = select(logits, b16.float(), spec)
+            assert torch.equal(ids1.cpu(), ids2.cpu()) and torch.equal(w1.cpu(), w2.cpu())
 
 
 COMPILE = r'''
