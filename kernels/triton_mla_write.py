@@ -18,9 +18,8 @@ import triton
 import triton.language as tl
 
 
-# positions and slots are read a value a program: no use aligning on them, and slot_mapping views a packed buffer at
-# an offset of N int64 (16-byte aligned for even N only): a second variant compiled at the first eager step of odd
-# rows, mid-run (~1 s), where warm-up saw even ones
+# positions and slots are read a value a program: no variant per alignment of them (a step's layout aligns every
+# field, models/kv_cache.aligned_parts; other callers need not)
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _write_kernel(q_ptr, kv_ptr, w_ptr, pos_ptr, f_ptr, slot_ptr, qo_ptr, ckv_ptr, kpe_ptr,
                   s_qn, s_qh, s_kv, s_on, s_oh, s_c, s_k, H, R, HALF, eps, factor,

@@ -117,6 +117,20 @@ class AttentionBatch:
         return self.plans["reference"]
 
 
+def aligned_parts(parts: list[torch.Tensor], multiple: int = 4) -> tuple[torch.Tensor, list[int]]:
+    """1-D int64 parts laid end to end, each from a multiple of `multiple` elements (4: 16 bytes as int32 or int64)
+    -> (flat, start of each). Triton compiles a kernel once per alignment of its pointers: views at offsets of N
+    elements would make an eager step of another N mod 4 compile a variant mid-run (about a second)."""
+    starts, n = [], 0
+    for p in parts:
+        starts.append(n)
+        n += -(-p.numel() // multiple) * multiple
+    flat = torch.zeros(n, dtype=torch.long)
+    for at, p in zip(starts, parts):
+        flat[at:at + p.numel()] = p
+    return flat, starts
+
+
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int,
                  rope_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -255,8 +269,9 @@ class PagedKVCache:
         return self._layout(request_ids, query_lens, starts)
 
     def _layout(self, request_ids: list[str], query_lens: list[int], starts: list[int]) -> AttentionBatch:
-        # built on the host, moved in one transfer: [positions N | slots N | token_request N |
-        # context_lens B | query_start B+1 | block_tables B*MB], the int32 part cast once on the device
+        # built on the host, moved in one transfer: [positions N | slots N | token_request N | context_lens B |
+        # query_start B+1 | block_tables B*MB], the int32 part cast once on the device; each part starts 16-byte
+        # aligned (aligned_parts), so a kernel's pointer to it is aligned whatever N and B
         bs, B, N = self.block_size, len(request_ids), sum(query_lens)
         tables = [self._tables[r] for r in request_ids]
         mb = max([len(t) for t in tables] + [1])
@@ -269,12 +284,14 @@ class PagedKVCache:
         qstart[1:] = lens.cumsum(0)
         pos = torch.arange(N) - qstart[req] + torch.tensor(starts, dtype=torch.long)[req]
         slots = host_tables.long()[req, pos // bs] * bs + pos % bs if N else pos
-        packed = torch.cat([pos, slots, req, torch.tensor(starts, dtype=torch.long) + lens, qstart,
-                            host_tables.long().flatten()]).to(self.device)
-        small = packed[2 * N:].to(torch.int32)
+        flat, at = aligned_parts([pos, slots, req, torch.tensor(starts, dtype=torch.long) + lens, qstart,
+                                  host_tables.long().flatten()])
+        packed = flat.to(self.device)
+        small = packed[at[2]:].to(torch.int32)
+        i32 = [a - at[2] for a in at[2:]]
         return AttentionBatch(
-            positions=packed[:N], slot_mapping=packed[N:2 * N], token_request=small[:N],
-            context_lens=small[N:N + B], query_start=small[N + B:N + 2 * B + 1],
-            block_tables=small[N + 2 * B + 1:].view(B, mb), query_lens=list(query_lens),
+            positions=packed[at[0]:at[0] + N], slot_mapping=packed[at[1]:at[1] + N], token_request=small[:N],
+            context_lens=small[i32[1]:i32[1] + B], query_start=small[i32[2]:i32[2] + B + 1],
+            block_tables=small[i32[3]:i32[3] + B * mb].view(B, mb), query_lens=list(query_lens),
             request_ids=list(request_ids), block_size=bs, host_block_tables=host_tables,
             host_starts=starts)

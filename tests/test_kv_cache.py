@@ -141,3 +141,27 @@ def test_misuse_raises_clear_errors():
         cache.prepare(["r", "r"], [1, 1])
     with pytest.raises(ValueError, match="num_blocks and block_size must be >= 1"):
         PagedKVCache(1, 0, BLOCK, 8, 4)
+
+
+@pytest.mark.parametrize("lens", [[1], [3], [2, 3], [1, 1, 1], [5, 2, 7], [4, 4, 4, 4, 1]])
+def test_step_layout_views_start_16_byte_aligned(lens):
+    """Every device field of a step's layout starts 16-byte aligned whatever N and B (Triton compiles a kernel per
+    pointer alignment: an eager step of another N mod 4 would otherwise compile a variant mid-run), and each holds
+    what it did before."""
+    cache = PagedKVCache(1, 32, 4, 8, 4)
+    ids = [f"r{i}" for i in range(len(lens))]
+    for r in ids:
+        cache.allocate(r)
+    cache.prepare(ids, [3] * len(ids))                                       # some history first
+    batch = cache.prepare(ids, lens)
+    fields = [batch.positions, batch.slot_mapping, batch.token_request, batch.context_lens, batch.query_start,
+              batch.block_tables]
+    assert all(f.data_ptr() % 16 == 0 for f in fields), [f.data_ptr() % 16 for f in fields]
+    N = sum(lens)
+    assert batch.positions.tolist() == [3 + j for n in lens for j in range(n)]
+    assert batch.token_request.tolist() == [b for b, n in enumerate(lens) for _ in range(n)]
+    assert batch.context_lens.tolist() == [3 + n for n in lens] and batch.query_start.tolist()[-1] == N
+    tables = batch.host_block_tables
+    assert torch.equal(batch.block_tables, tables)
+    want = [int(tables[b, p // 4]) * 4 + p % 4 for b, n in enumerate(lens) for p in range(3, 3 + n)]
+    assert batch.slot_mapping.tolist() == want
