@@ -131,9 +131,13 @@ def test_chat_and_stream(api_cluster, client):
 
 
 def test_n_choices(api_cluster, client):
-    """n > 1: indices 0..n-1 per prompt, prompt-major; a seed makes the choices reproducible."""
+    """n > 1: indices 0..n-1 per prompt, prompt-major; a seed makes the choices reproducible. On a CPU a row's bits
+    depend on the rows batched with it (no batch-invariant GEMMs there, unlike CUDA's: models/layers.dense_linear),
+    so each call runs with nothing else in flight: a request another test left finishing would change them."""
     kw = dict(model=api_cluster.model_name, max_tokens=12, temperature=1.0, seed=5, n=3)
+    api_cluster.wait_drained()
     a = client.completions.create(prompt=PROMPT, **kw)
+    api_cluster.wait_drained()
     b = client.completions.create(prompt=PROMPT, **kw)
     assert [c.index for c in a.choices] == [0, 1, 2]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
