@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_norm import rope_pairs
+
 
 # positions and slots are read a value a program: no variant per alignment of them (a step's layout aligns every
 # field, models/kv_cache.aligned_parts; other callers need not)
@@ -25,14 +27,7 @@ def _write_kernel(q_ptr, kv_ptr, w_ptr, pos_ptr, f_ptr, slot_ptr, qo_ptr, ckv_pt
                   s_qn, s_qh, s_kv, s_on, s_oh, s_c, s_k, H, R, HALF, eps, factor,
                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVE: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK_P)                                                    # rope pairs
-    im = i < HALF
-    ang = tl.load(pos_ptr + n).to(tl.float32) * tl.load(f_ptr + i, mask=im, other=0.0)
-    cos, sin = tl.cos(ang) * factor, tl.sin(ang) * factor
-    if INTERLEAVE:
-        a, b = 2 * i, 2 * i + 1
-    else:
-        a, b = i, i + HALF
+    cos, sin, a, b, im = rope_pairs(pos_ptr, n, f_ptr, factor, HALF, BLOCK_P, INTERLEAVE)     # [BP] rope pairs
     if tl.program_id(1) == 0:                    # the query's rope part, every head: [BH, BP]
         h = tl.arange(0, BLOCK_H)
         qm = (h < H)[:, None] & im[None, :]

@@ -88,10 +88,9 @@ def silu_mul(gu: torch.Tensor, pad: int = 0) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, pos_ptr, f_ptr, out_ptr, s_xn, s_xh, s_on, s_oh, factor, HALF,
-                   BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+def rope_pairs(pos_ptr, n, f_ptr, factor, HALF, BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr):
+    # row n's rope: (cos, sin [BLOCK] scaled by factor, pair indices a, b [BLOCK], mask [BLOCK]); also the MLA's
+    # one-launch write (kernels/triton_mla_write.py), so both turn a vector to the same bits
     i = tl.arange(0, BLOCK)
     m = i < HALF
     ang = tl.load(pos_ptr + n).to(tl.float32) * tl.load(f_ptr + i, mask=m, other=0.0)
@@ -100,6 +99,15 @@ def _rotary_kernel(x_ptr, pos_ptr, f_ptr, out_ptr, s_xn, s_xh, s_on, s_oh, facto
         a, b = 2 * i, 2 * i + 1
     else:
         a, b = i, i + HALF
+    return cos, sin, a, b, m
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, pos_ptr, f_ptr, out_ptr, s_xn, s_xh, s_on, s_oh, factor, HALF,
+                   BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    cos, sin, a, b, m = rope_pairs(pos_ptr, n, f_ptr, factor, HALF, BLOCK, INTERLEAVE)
     xa = tl.load(x_ptr + n * s_xn + h * s_xh + a, mask=m, other=0.0).to(tl.float32)
     xb = tl.load(x_ptr + n * s_xn + h * s_xh + b, mask=m, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
