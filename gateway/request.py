@@ -115,6 +115,12 @@ class GenRequest:
             text += self.text.flush()
         return new, text, finish
 
+    @property
+    def ends_at_commit(self) -> bool:
+        """The last Verify's tokens, once committed, reach max_tokens or the end of the context: no next round."""
+        n = len(self.output_ids) + self.uncommitted
+        return n >= self.max_tokens or len(self.prompt_ids) + n >= self.max_model_len
+
     def round_k(self, k: int | None = None) -> int:
         """Drafts this round: k (default: the speculation policy's choice for this round, else K), less near
         the end of the context (the target holds at most max_model_len positions; a round planned before the

@@ -209,7 +209,8 @@ class Scheduler:
             self._commit_all(batch, vresp.results)
         self._close_round(batch, split, round_t0)
         if overlap:                 # the next round's drafts are computed while this round commits
-            spec = self.policy.plan([r for r in self.running if not r.cancelled])
+            live = [r for r in self.running if not (r.cancelled or r.ends_at_commit)]
+            spec = self.policy.plan(live) if live else []
             self.ahead = await proposals.send(self, spec, []) if spec else None
             self.planned = not spec                # nobody to send: the next round needs no plan of its own
             self._commit_all(batch, vresp.results)

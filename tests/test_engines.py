@@ -227,6 +227,25 @@ def test_seeded_sampling_ignores_batch_mates():
 
 
 
+def test_the_draft_holds_the_whole_context():
+    """The draft caches a pair a token given but the last and a position a draft but the last: the longest
+    prompt the target takes (max_model_len - 1) with its first token fills max_model_len - 1 positions and may
+    draft two tokens (the gateway sends a finishing request's last tokens with the next round's Propose before it
+    commits them, so a Propose may reach the end); three drafts need one more position: OUT_OF_RANGE naming it."""
+    M = 24
+    target, draft = make_models()
+    te, de = TargetEngine(target, new_cache(target, 64), M), DraftEngine(draft, new_cache(draft, 64), M)
+    prompt = [(5 * j) % 500 + 3 for j in range(M - 1)]
+    (first,), hidden, *_ = te.prefill([("a", prompt, Sampling())])
+    with pytest.raises(ServiceError) as e:
+        de.expected_rows([ProposeItem("a", prompt + [first], 3, Sampling(), 0)])
+    assert e.value.code == "OUT_OF_RANGE" and f"need {M + 1} cache positions" in str(e.value)
+    item = ProposeItem("a", prompt + [first], 2, Sampling(), 0)
+    assert de.expected_rows([item]) == {"a": M - 1} and hidden.shape[0] == M - 1
+    [(drafts, _)] = de.propose([item], {"a": hidden})
+    assert len(drafts) == 2 and de.cache.length("a") == M
+
+
 def test_target_warms_its_acceptance_kernels_for_every_draft_count(monkeypatch):
     """With CUDA graphs on, the target runs greedy and sampled acceptance at start for 0 .. WARM_DRAFTS drafts
     (Triton compiles one kernel per draft count: the first k = 1 probe of the adaptive policy paid it inside a

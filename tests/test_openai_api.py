@@ -14,6 +14,7 @@ from models.loader import load_model
 from models.model import TargetModel
 from models.runner import forward_tokens, new_cache
 from tandem.v1 import generate_pb2 as gen
+from test_faults import metric
 
 pytestmark = pytest.mark.slow
 PROMPT = "def fibonacci(n):\n"
@@ -59,11 +60,17 @@ def test_models_and_tokenizer(api_cluster, client, http):
 
 def test_the_advertised_context_is_all_usable_with_drafts(api_cluster, http):
     """/v1/models states max_model_len; a prompt and max_tokens that fill it exactly decode with K = 3 (fewer
-    drafts a round near the end) and equal plain decoding; one token more is a 400 naming max_tokens."""
+    drafts a round near the end) and equal plain decoding, and the draft takes every round's tokens up to the end
+    (speculation does not degrade: the next round's Propose, sent before the last Verify's tokens are committed,
+    may carry all of them); one token more is a 400 naming max_tokens."""
     M = http.get("/v1/models").json()["data"][0]["max_model_len"]
     body = dict(model=api_cluster.model_name, prompt=[(7 * i + 3) % 500 for i in range(M - 12)], max_tokens=12,
                 temperature=0, ignore_eos=True)
+    failures = metric(api_cluster.url, "tandem:draft_failures")
     spec = http.post("/v1/completions", json={**body, "num_speculative_tokens": 3})
+    api_cluster.wait_drained()
+    assert metric(api_cluster.url, "tandem:draft_failures") == failures
+    assert metric(api_cluster.url, "tandem:speculation_active") == 1
     plain = http.post("/v1/completions", json={**body, "num_speculative_tokens": 0})
     assert spec.status_code == plain.status_code == 200, (spec.text, plain.text)
     assert spec.json()["usage"]["completion_tokens"] == 12

@@ -16,7 +16,8 @@ from tandem.v1 import draft_pb2
 from gateway.adaptive import AdaptivePolicy, FixedPolicy
 from gateway.request import Observer
 from gateway.scheduler import Scheduler
-from test_scheduler_faults import NEXT, FakeDraft, FakeTarget, events, request, rpc_error, run
+from gateway.text import TextStream
+from test_scheduler_faults import NEXT, FakeDraft, FakeTarget, Letters, events, request, rpc_error, run
 
 
 class Draft(FakeDraft):
@@ -94,10 +95,14 @@ class Splits(Observer):
 
 
 def test_a_request_finished_by_the_commit_is_released_after_the_propose_that_names_it():
+    """A stop string ends r at the commit of round 2, after round 3's Propose named it (the gateway cannot know
+    before it detokenizes): its Release waits for that Propose. A request that max_tokens ends is known to end
+    at the commit, and no Propose names it after its last Verify."""
     async def main():
         target, draft, obs = FakeTarget(), Draft(delay=0.05), Splits()
         s = Scheduler(target, draft, {2}, observer=obs)
-        r = request(s, max_tokens=9, k=3)          # 1 + 4 + 4 tokens: the commit of round 2 finishes it
+        r = request(s, max_tokens=40, k=3)         # 1 + 4 + 4 tokens: the commit of round 2 completes the stop
+        r.text = TextStream(Letters(), [Letters().decode([NEXT] * 9)])
         draft.reqs = [r]
         await drive(s, [r])
         await asyncio.sleep(0.5)                    # idle, then a new request: the unused Propose is dropped,
@@ -113,6 +118,8 @@ def test_a_request_finished_by_the_commit_is_released_after_the_propose_that_nam
     release = draft.order.index(f"Release:{r.id}")
     assert len(proposes) == 3 and proposes[-1] < release
     assert draft.order[release - 1] == "Propose done", draft.order
+    # nxt: the prompt's Propose and round 2's, sent ahead in round 1; none after round 2's Verify
+    assert draft.order.count(f"Propose:{nxt.id}") == 2, draft.order
 
 
 def test_a_failed_overlapped_propose_degrades_then_resyncs_and_resumes(monkeypatch):

@@ -73,11 +73,13 @@ class DraftEngine:
             if not it.new_token_ids or (not known and len(it.new_token_ids) < 2):
                 raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: new_token_ids has "
                                    f"{len(it.new_token_ids)} tokens, a new request needs its prompt and first token")
-            end = it.position + len(it.new_token_ids) + it.num_draft_tokens     # cache positions after this round
+            # cache positions after this round: one a token given but the last (token i + 1 pairs with row i),
+            # then one a draft but the last (draft j + 1 is drafted from draft j's position)
+            end = it.position + len(it.new_token_ids) - 1 + max(it.num_draft_tokens - 1, 0)
             if end > self.max_model_len:
                 raise ServiceError("OUT_OF_RANGE", f"request {rid!r}: position {it.position} + "
-                                   f"{len(it.new_token_ids)} new tokens + {it.num_draft_tokens} drafts exceed "
-                                   f"max_model_len {self.max_model_len}")
+                                   f"{len(it.new_token_ids)} new tokens + {it.num_draft_tokens} drafts need {end} "
+                                   f"cache positions, more than max_model_len {self.max_model_len}")
             if it.cached_tokens and (known or it.cached_tokens > len(it.new_token_ids) - 2):
                 raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: cached_tokens is {it.cached_tokens}; "
                                    f"it must be 0 for a running request and below the prompt's length")
