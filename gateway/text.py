@@ -5,9 +5,20 @@ its length: at batch 32 the gateway spent most of a round re-decoding outputs). 
 a token boundary at which the text before it was complete; decoding from there gives the new tokens the
 context a tokenizer may need (a leading space a decoder strips at the start, a multi-byte character cut
 between tokens), and the new text is what the window's decode adds to the decode of its already-read part.
-Text is made stable (appended to `done`) only when it does not end in U+FFFD (an unfinished UTF-8 sequence).
+Text is made stable (appended to `done`) when it does not end in U+FFFD (an unfinished UTF-8 sequence), or,
+with a byte-level decoder (DeepSeek's, the bundled model's: bytes joined, then decoded as UTF-8 with
+replacement, so a character's bytes decide it alone), while it does, up to a token boundary that no character
+spans (the window's decode is the decode of the tokens before it plus that of the tokens after) with UTF8_MAX
+tokens that carry text after it: a character is at most 4 bytes, so no later byte can change the text before
+it. A model emitting lone UTF-8 bytes would otherwise grow the window, and each token's decode, without bound.
+(A byte-fallback decoder turns a whole run of byte tokens into U+FFFD when any of it is not UTF-8: no boundary
+inside the run is final, so there the window grows as before.)
 """
 from __future__ import annotations
+
+from tokenizers import decoders
+
+UTF8_MAX = 4                                   # bytes in the longest UTF-8 character
 
 
 class TextStream:
@@ -19,6 +30,7 @@ class TextStream:
         self.done = ""                         # the text of ids[:read], final
         self.prefix = self.read = 0            # the window ids[prefix:] is decoded; ids[prefix:read] already read
         self._read_text: str | None = ""       # decode(ids[prefix:read]), once computed
+        self._local = isinstance(getattr(tokenizer, "decoder", None), decoders.ByteLevel)
 
     def text(self) -> str:
         """The text of all ids so far (its tail may still change while it ends in U+FFFD)."""
@@ -32,7 +44,25 @@ class TextStream:
             self.done += new
             self.prefix, self.read, self._read_text = self.read, len(self.ids), None
             return self.done
+        cut = self._final_cut() if self._local else None
+        if cut is not None:                    # still unfinished: UTF8_MAX byte-carrying tokens back, it is not
+            part, rest = self.tokenizer.decode(self.ids[self.prefix:cut]), self.tokenizer.decode(self.ids[cut:])
+            if part + rest == window and part.startswith(self._read_text):    # no character spans the cut
+                self.done += part[len(self._read_text):]
+                self.prefix = self.read = cut
+                self._read_text = ""
+                return self.done + rest
         return self.done + new
+
+    def _final_cut(self) -> int | None:
+        """The index after which UTF8_MAX tokens carry text (a token that decodes to "" alone may carry no
+        byte), if it is past `read`: the text of the tokens before it is final. None otherwise."""
+        seen = 0
+        for j in range(len(self.ids) - 1, self.read, -1):
+            seen += self.tokenizer.decode([self.ids[j]]) != ""
+            if seen == UTF8_MAX:
+                return j
+        return None
 
     def _restart(self) -> str:
         """A tokenizer whose decode of a window is not the whole decode's tail: decode everything once more,
@@ -51,8 +81,8 @@ class TextStream:
         if hits:
             return self._emit(text[: min(hits)]), True
         safe = max(0, len(text) - self.hold)   # (a text shorter than the hold emits nothing yet)
-        while safe > self.sent and text[safe - 1] == "\ufffd":   # an unfinished UTF-8 sequence
-            safe -= 1
+        if safe > self.sent:                   # not up to an unfinished UTF-8 sequence (nor a run of junk bytes)
+            safe = max(self.sent, len(text[:safe].rstrip("\ufffd")))
         return self._emit(text[:safe]), False
 
     def flush(self) -> str:
