@@ -5,8 +5,8 @@ Sequential round: plan -> Propose -> Verify -> commit. Overlapped round: the Ver
 request's emitted tokens and the hidden rows the draft needs, so the gateway plans the next round and sends
 its Propose before it commits (detokenizes, checks stop strings, streams) this one; the draft computes while
 the gateway commits, and the next round starts by collecting the drafts. A request whose pending tokens reach
-max_tokens or the context's end is left out of it (GenRequest.ends_at_commit); one that the commit finishes
-otherwise (EOS, a stop string) was proposed for in vain: its draft Release waits until that Propose has
+max_tokens or the context's end, or hold an EOS, is left out of it (GenRequest.ends_at_commit); one that the
+commit finishes otherwise (a stop string: known only once detokenized) was proposed for in vain: its draft Release waits until that Propose has
 answered (a Release must never overtake a Propose that names the request: the draft would fail the call as
 "not running").
 

@@ -209,7 +209,9 @@ class Scheduler:
             self._commit_all(batch, vresp.results)
         self._close_round(batch, split, round_t0)
         if overlap:                 # the next round's drafts are computed while this round commits
-            live = [r for r in self.running if not (r.cancelled or r.ends_at_commit)]
+            ends = {r.id for r, res in zip(batch, vresp.results) if r.ends_at_commit or not r.ignore_eos
+                    and not self.eos.isdisjoint(res.emitted_token_ids)}      # known before the commit
+            live = [r for r in self.running if not (r.cancelled or r.id in ends)]
             spec = self.policy.plan(live) if live else []
             self.ahead = await proposals.send(self, spec, []) if spec else None
             self.planned = not spec                # nobody to send: the next round needs no plan of its own

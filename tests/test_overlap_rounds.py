@@ -122,6 +122,33 @@ def test_a_request_finished_by_the_commit_is_released_after_the_propose_that_nam
     assert draft.order.count(f"Propose:{nxt.id}") == 2, draft.order
 
 
+class EosTarget(FakeTarget):
+    """Its second Verify ends with EOS (2) for every request."""
+    async def Verify(self, req, timeout=None):
+        resp = await super().Verify(req, timeout)
+        if sum(c[0] == "Verify" for c in self.calls) == 2:
+            for res in resp.results:
+                res.emitted_token_ids[-1] = 2
+        return resp
+
+
+def test_no_propose_names_a_request_an_eos_ends():
+    """An EOS among a Verify's tokens ends the request at the commit: the next round's Propose, sent before the
+    commit, leaves it out (ignore_eos: it goes on, and is proposed for)."""
+    async def main(ignore_eos: bool):
+        target, draft = EosTarget(), Draft()
+        s = Scheduler(target, draft, {2})
+        r = request(s, max_tokens=40, k=3)
+        r.ignore_eos = ignore_eos
+        draft.reqs = [r]
+        await drive(s, [r])
+        return r, draft
+    r, draft = run(main(False))
+    assert r.finished and r.output_ids == [NEXT] * 8 and draft.order.count(f"Propose:{r.id}") == 2, draft.order
+    r, draft = run(main(True))
+    assert r.finished and len(r.output_ids) == 40 and draft.order.count(f"Propose:{r.id}") > 3, draft.order
+
+
 def test_a_failed_overlapped_propose_degrades_then_resyncs_and_resumes(monkeypatch):
     async def main():
         target, draft = FakeTarget(), Draft(fail_from=2)      # round 2's Propose, sent ahead in round 1
