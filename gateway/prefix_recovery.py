@@ -12,6 +12,7 @@ Any failure leaves them to the ordinary path: no drafts this round, re-synced la
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -29,7 +30,7 @@ log = logging.getLogger("tandem.gateway")
 async def recover(s: Scheduler, reqs: list[GenRequest], drafts: dict) -> None:
     """Scheduler `s`: re-propose `reqs` (not_held) with every row; their results go into `drafts`."""
     tokens = {r.id: list(r.prompt_ids) + list(r.output_ids) for r in reqs}
-    call = "target RecomputeRows"
+    call, t0 = "target RecomputeRows", time.perf_counter()
     try:
         rows = (await s.target.RecomputeRows(target_pb2.RecomputeRowsRequest(transport=s.transport, items=[
             target_pb2.RecomputeItem(request_id=r.id, token_ids=tokens[r.id]) for r in reqs]),
@@ -49,6 +50,8 @@ async def recover(s: Scheduler, reqs: list[GenRequest], drafts: dict) -> None:
             log.warning("re-proposing %d requests the draft's prefix cache lacked failed (%s %s: %s); they "
                         "are re-synced later", len(reqs), call, e.code().name, e.details())
         return
+    log.debug("re-proposed %d requests the draft's prefix cache lacked (%d tokens) in %.1f ms", len(reqs),
+              sum(map(len, tokens.values())), 1e3 * (time.perf_counter() - t0))
     for r, res in zip(reqs, resp.results):
         drafts[r.id] = res
         r.draft.position, r.draft.pending = 0, tokens[r.id]
