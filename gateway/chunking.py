@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from gateway import preemption
 from gateway.request import Event, GenRequest, call_budget
 from gateway.stubs import CONTRACT_CODES, client_status
 from infra import tracing
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 def plan(s: Scheduler) -> list[tuple[GenRequest, int]]:
     """This step's Prefill: (request, max_chunk_tokens; 0: whole) per item. Admitted requests move from
     s.waiting to s.prefilling (until their last chunk)."""
-    room = s.max_batch - len(s.running) - len(s.prefilling)
+    room = preemption.admission(s, s.max_batch - len(s.running) - len(s.prefilling))
     if s.max_num_batched_tokens <= 0:
         new = s.waiting[:max(0, room)]
         s.waiting = s.waiting[len(new):]
@@ -50,17 +51,17 @@ def plan(s: Scheduler) -> list[tuple[GenRequest, int]]:
     for r in s.prefilling:                       # prompts partly prefilled first, oldest first
         if left <= 0:
             break
-        n = min(left, len(r.prompt_ids) - r.prefilled)
+        n = min(left, len(r.context_ids) - r.prefilled)
         out.append((r, n))
         left -= n
     while left > 0 and room > 0 and s.waiting:
         r = s.waiting[0]
-        if r.prompt_logprobs and out and len(r.prompt_ids) > left:
+        if r.prompt_logprobs and out and len(r.context_ids) > left:
             break                                # scored whole: it waits for a step of its own
         s.waiting.pop(0)
         s.prefilling.append(r)
         room -= 1
-        n = len(r.prompt_ids) if r.prompt_logprobs else min(left, len(r.prompt_ids))
+        n = len(r.context_ids) if r.prompt_logprobs else min(left, len(r.context_ids))
         out.append((r, 0 if r.prompt_logprobs else n))
         left -= n
     return out
@@ -72,7 +73,7 @@ async def prefill(s: Scheduler, items: list[tuple[GenRequest, int]]) -> None:
     reqs = [r for r, _ in items]
     rows = any(s._speculating and r.k > 0 and (r.prefilled == 0 or r.draft.speculate) for r in reqs)
     req = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
-        request_id=r.id, prompt_token_ids=r.prompt_ids, sampling=r.sampling, logprobs=r.logprobs,
+        request_id=r.id, prompt_token_ids=r.context_ids, sampling=r.sampling, logprobs=r.logprobs,
         prompt_logprobs=r.prompt_logprobs, max_chunk_tokens=n) for r, n in items],
         return_hidden_rows=rows, transport=s.transport)
     t0 = time.perf_counter()
@@ -81,14 +82,19 @@ async def prefill(s: Scheduler, items: list[tuple[GenRequest, int]]) -> None:
         with tracing.phase("prefill", [r.span for r in reqs], requests=len(reqs)):
             resp = await s.target.Prefill(req, timeout=call_budget(reqs, s.timeout)[0])
     except grpc.aio.AioRpcError as e:
-        s._target_failed(reqs, e, "Prefill")
+        failed = preemption.prefill_refused(s, reqs) if preemption.cache_full(e) else reqs
+        if failed:
+            s._target_failed(failed, e, "Prefill")
         return
+    if any(r.prefilled == 0 for r in reqs):
+        preemption.prefill_fitted(s)
     s.obs.phase("prefill", time.perf_counter() - t0)
     rows = resp.hidden_rows
     for i, r in enumerate(reqs):
-        end = resp.num_computed_tokens[i] if i < len(resp.num_computed_tokens) else len(r.prompt_ids)
-        done, tok = end >= len(r.prompt_ids), resp.first_token_ids[i]
-        tokens = list(r.prompt_ids[r.prefilled + 1 if r.prefilled else 0:end + 1]) + ([tok] if done else [])
+        context = r.context_ids
+        end = resp.num_computed_tokens[i] if i < len(resp.num_computed_tokens) else len(context)
+        done, tok = end >= len(context), resp.first_token_ids[i]
+        tokens = list(context[r.prefilled + 1 if r.prefilled else 0:end + 1]) + ([tok] if done else [])
         if r.prefilled == 0:                     # the request's first call: a new request for the draft
             r.cached_tokens = resp.num_cached_tokens[i] if i < len(resp.num_cached_tokens) else 0
             r.draft.prefilled(tokens, rows, speculate=s._speculating and r.k > 0 and resp.HasField("hidden_rows"),

@@ -171,6 +171,10 @@ class _Collector:
         for i, v in enumerate(st.accepted_per_position):
             c.add_metric(lab + [str(i)], v)
         yield c
+        c = CounterMetricFamily("tandem:num_preemptions", "Requests whose KV cache was taken back when it was full "
+                                "(recomputed later)", labels=["model_name"])
+        c.add_metric(lab, s.preemptions)
+        yield c
         for name, doc, v in (("num_requests_running", "Requests in the running batch (prefilling in chunks included)",
                               len(s.running) + len(s.prefilling)),
                              ("num_requests_waiting", "Requests waiting for a Prefill", len(s.waiting))):

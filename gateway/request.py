@@ -91,6 +91,12 @@ class GenRequest:
     cached_tokens: int = 0                                   # prompt positions the target's prefix cache held
     prefilled: int = 0                                       # prompt positions on the target (chunks so far)
     uncommitted: int = 0                                     # emitted by the last Verify, not yet committed
+    preemptions: int = 0                                     # times the KV cache's room was taken back from it
+
+    @property
+    def context_ids(self) -> list[int]:
+        """What its Prefill computes: the prompt, and after a preemption the output so far (recomputed)."""
+        return self.prompt_ids + self.output_ids if self.preemptions else self.prompt_ids
 
     def take(self, tokens: list[int], logprobs: list | None, eos: set[int]) -> tuple[list[int], str, str | None]:
         """Append the target's tokens to the output up to the first that ends the request (EOS, one that

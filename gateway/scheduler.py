@@ -23,7 +23,7 @@ import uuid
 
 import grpc
 
-from gateway import chunking, proposals
+from gateway import chunking, preemption, proposals
 from gateway.adaptive import FixedPolicy
 from gateway.availability import Availability, InFlight
 from gateway.request import Event, GenRequest, Observer, SpecStats, call_budget  # noqa: F401 (re-exported)
@@ -65,6 +65,9 @@ class Scheduler:
         self.planned = False                               # the last round planned the next: nobody to send
         self.proposing: list[proposals.Proposal] = []      # Proposes not yet answered
         self._round_end, self._off_round = 0.0, 0.0        # the last round's end; calls between rounds since
+        self.preemptions = self.freed = 0                  # requests preempted; requests ended
+        self.admit_cap: int | None = None                  # new requests a Prefill may take (gateway/preemption.py)
+        self.admit_after: int | None = None                # no admission until `freed` passes this
 
     def new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
@@ -194,7 +197,8 @@ class Scheduler:
             with tracing.phase("verify", [r.span for r in batch], requests=len(batch)):
                 vresp = await self.target.Verify(vreq, timeout=call_budget(batch, self.timeout)[0])
         except grpc.aio.AioRpcError as e:
-            self._target_failed(batch, e, "Verify")
+            if not (preemption.cache_full(e) and preemption.preempt(self, batch)):
+                self._target_failed(batch, e, "Verify")
             return
         split.update(verify=time.perf_counter() - t0, target_compute=vresp.timing.compute_seconds)
         ks = [len(drafts[r.id].draft_token_ids) if r.id in drafts else 0 for r in batch]
@@ -272,6 +276,11 @@ class Scheduler:
             self.running.remove(r)
         if r in self.prefilling:
             self.prefilling.remove(r)
+        self.freed += 1
+        self.release(r)
+
+    def release(self, r: GenRequest) -> None:
+        """Free r's state in both services (on the draft once a Propose that names it has answered)."""
         asyncio.ensure_future(self._release(self.target, [r.id]))
         held = proposals.holds(self, r.id)
         if held is not None:                  # named by a Propose not yet answered: released after it

@@ -8,3 +8,8 @@ class ServiceError(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+# How a service's RESOURCE_EXHAUSTED for a full KV cache begins: not the caller's fault nor a broken service, but
+# load; the gateway preempts a request (recomputed later) or holds new ones back (gateway/scheduler.py).
+KV_CACHE_FULL = "KV cache pool exhausted"

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from infra.errors import KV_CACHE_FULL
 from models.prefix_cache import BlockPool, PoolExhausted
 
 INDEX_SCORINGS = ("exact", "deployed")      # kernels/dsa.py: fp32 scores / Hadamard + fp8 keys
@@ -226,7 +227,7 @@ class PagedKVCache:
         try:
             self._tables[request_id].extend(self.pool.take(need))
         except PoolExhausted:
-            raise CacheFullError(f"KV cache pool exhausted: request {request_id!r} needs {need} more "
+            raise CacheFullError(f"{KV_CACHE_FULL}: request {request_id!r} needs {need} more "
                                  f"blocks of {self.block_size} tokens, {self.pool.available} of "
                                  f"{self.num_blocks} free") from None
         self._lengths[request_id] += n
@@ -261,7 +262,7 @@ class PagedKVCache:
             self._check(rid)
         need = sum(self.blocks_needed(r, n) for r, n in zip(request_ids, query_lens))
         if need > self.pool.available:
-            raise CacheFullError(f"KV cache pool exhausted: step needs {need} more blocks of "
+            raise CacheFullError(f"{KV_CACHE_FULL}: step needs {need} more blocks of "
                                  f"{self.block_size} tokens, {self.pool.available} of {self.num_blocks} free")
         starts = [self._lengths[r] for r in request_ids]
         for r, n in zip(request_ids, query_lens):

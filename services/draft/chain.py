@@ -28,6 +28,7 @@ import torch
 
 from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket
 from kernels.dispatch import argmax_rows, sampling_probs
+from infra.errors import KV_CACHE_FULL
 from models.kv_cache import AttentionBatch, CacheFullError, PagedKVCache
 from infra.defaults import DRAFT_Q_WIDTH
 from kernels.noise import choose, draw_keys, top_mass
@@ -62,7 +63,7 @@ class DraftChain:
         cache, bs = self.cache, self.cache.block_size
         need = sum(cache.blocks_needed(r, k - 1) for r, k in zip(ids, ks))
         if need > cache.num_free_blocks:
-            raise CacheFullError(f"KV cache pool exhausted: the draft's chain needs {need} more blocks of {bs} "
+            raise CacheFullError(f"{KV_CACHE_FULL}: the draft's chain needs {need} more blocks of {bs} "
                                  f"tokens, {cache.num_free_blocks} of {cache.num_blocks} free")
         starts = [cache.length(r) for r in ids]
         if any(-(-(s + k - 1) // bs) > self.max_blocks for s, k in zip(starts, ks)):
