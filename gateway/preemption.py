@@ -83,7 +83,7 @@ def prefill_refused(s: Scheduler, reqs: list[GenRequest]) -> list[GenRequest]:
     if not s.running and not new:                              # begun prompts only: the newest starts over
         _requeue(s, s.prefilling.pop())
     s.admit_cap = max(1, len(new) // 2)
-    s.admit_after = s.freed if s.running else None
+    s.admit_after = s.freed if s.running or s.prefilling else None
     log.info("KV cache full: %d new requests wait again (%d running, %d prefilling); admitting at most %d at a "
              "time", len(new), len(s.running), len(s.prefilling), s.admit_cap)
     return []

@@ -66,8 +66,7 @@ class Scheduler:
         self.proposing: list[proposals.Proposal] = []      # Proposes not yet answered
         self._round_end, self._off_round = 0.0, 0.0        # the last round's end; calls between rounds since
         self.preemptions = self.freed = 0                  # requests preempted; requests ended
-        self.admit_cap: int | None = None                  # new requests a Prefill may take (gateway/preemption.py)
-        self.admit_after: int | None = None                # no admission until `freed` passes this
+        self.admit_cap = self.admit_after = None           # admission's cap and hold (gateway/preemption.py)
 
     def new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
