@@ -16,9 +16,11 @@ Propose of their own when the round makes none. One Propose: the step's row set 
 and the prompts the same Prefill completed start their first round on it. The first chunk is a new request
 (`DraftState.prefilled`, from position 0, its prefix hit as cached_tokens), later ones continue it
 (`DraftState.verified`); the last chunk's tokens and first token go with the request's first round, as after
-a whole prefill. Faults follow the rounds' rules (gateway/scheduler.py): a failed chunk Prefill ends its
+a whole prefill. A request that wants no drafts (k = 0) while the draft speculates for others is fed its prompt
+the same way, its last chunk and first token too, and no more (`DraftState.prompt_only`): the draft's prefix
+cache then holds every prompt the target's does. Faults follow the rounds' rules (gateway/scheduler.py): a failed chunk Prefill ends its
 requests with the target's status; a failed chunk Propose costs drafts, not tokens (the requests are
-re-synced once running), and a contract error ends the chunk's requests. Partial prompts live in
+re-synced once running), and a contract error ends the chunk's requests (a prompt-only one's feed just stops). Partial prompts live in
 `Scheduler.prefilling`, where cancel(), deadlines and service faults reach them like running requests.
 """
 from __future__ import annotations
@@ -71,7 +73,7 @@ async def prefill(s: Scheduler, items: list[tuple[GenRequest, int]]) -> None:
     """One Prefill over `items` (from plan), then the chunk Propose of those still prefilling; the
     finished prompts join s.running with their first token."""
     reqs = [r for r, _ in items]
-    rows = any(s._speculating and r.k > 0 and (r.prefilled == 0 or r.draft.speculate) for r in reqs)
+    rows = any(s._speculating and (r.prefilled == 0 or r.draft.speculate or r.draft.prompt_only) for r in reqs)
     req = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
         request_id=r.id, prompt_token_ids=r.context_ids, sampling=r.sampling, logprobs=r.logprobs,
         prompt_logprobs=r.prompt_logprobs, max_chunk_tokens=n) for r, n in items],
@@ -97,15 +99,17 @@ async def prefill(s: Scheduler, items: list[tuple[GenRequest, int]]) -> None:
         tokens = list(context[r.prefilled + 1 if r.prefilled else 0:end + 1]) + ([tok] if done else [])
         if r.prefilled == 0:                     # the request's first call: a new request for the draft
             r.cached_tokens = resp.num_cached_tokens[i] if i < len(resp.num_cached_tokens) else 0
-            r.draft.prefilled(tokens, rows, speculate=s._speculating and r.k > 0 and resp.HasField("hidden_rows"),
+            r.draft.prefilled(tokens, rows, speculate=s._speculating and resp.HasField("hidden_rows"),
                               wants_drafts=s.draft is not None and r.k > 0, cached=r.cached_tokens)
         else:
             r.draft.verified(tokens, rows)
         r.prefilled = end
         if not done:
-            if r.draft.speculate and not r.cancelled:
+            if (r.draft.speculate or r.draft.prompt_only) and not r.cancelled:
                 s.feed.append(r)
             continue
+        if r.draft.prompt_only and not r.cancelled:     # its last chunk too: then the draft holds the prompt
+            s.feed.append(r)
         s.prefilling.remove(r)
         lp = resp.logprobs[i] if i < len(resp.logprobs) else None
         r.prompt_lps = list(lp.prompt) if lp is not None else []
@@ -141,11 +145,13 @@ def fed(feed: list[GenRequest], results) -> None:
             r.draft.lost()
         else:
             r.draft.proposed()
+            if r.prefilled >= len(r.context_ids):
+                r.draft.prompt_given()
 
 
 async def feed_draft(s: Scheduler, feed: list[GenRequest]) -> None:
     """The step's chunks for the draft when the round made no Propose: a Propose of their own."""
-    feed = [r for r in feed if r.draft.speculate and not r.finished and not r.cancelled]
+    feed = [r for r in feed if (r.draft.speculate or r.draft.prompt_only) and not r.finished and not r.cancelled]
     if not feed:
         return
     sets, index = row_sets(feed)
@@ -157,7 +163,10 @@ async def feed_draft(s: Scheduler, feed: list[GenRequest]) -> None:
     except grpc.aio.AioRpcError as e:
         if e.code() in CONTRACT_CODES:
             for r in feed:
-                s.fail(r, client_status(e), f"draft Propose (prefill chunk): {e.details()}")
+                if r.draft.prompt_only:          # given for the draft's prefix cache only: it wants no drafts
+                    r.draft.lost()
+                else:
+                    s.fail(r, client_status(e), f"draft Propose (prefill chunk): {e.details()}")
             return
         for r in feed:                           # unknown on the draft: re-synced once running
             r.draft.lost()

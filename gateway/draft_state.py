@@ -8,7 +8,11 @@ row set that holds their rows, and these flags:
 - `stale`: the request wants drafts but the draft's cache of it is lost or unknown, so it decodes
   without drafts until gateway/resync.py rebuilds that cache;
 - `parked`: the speculation policy (gateway/adaptive.py) stopped sending it to the draft, whose cache of
-  it falls behind; it decodes without drafts until the policy wakes it (then it is stale: re-synced).
+  it falls behind; it decodes without drafts until the policy wakes it (then it is stale: re-synced);
+- `prompt_only`: it wants no drafts (k = 0), but the draft is given its prompt once (prefill chunks, no
+  drafts asked), so that the draft's prefix cache holds what the target's does: a later request sharing the
+  prefix finds it on both sides (else its first round would wait on a recovery: gateway/prefix_recovery.py).
+  Set by `prefilled`, ended by `prompt_given` or `lost`; the draft then falls behind on it, as on a parked one.
 
 Transitions (each a method below): `prefilled` (after Prefill), `proposed` (a Propose took the
 pending tokens), `verified` (a Verify committed tokens + rows), `lost` (the draft failed: stale),
@@ -33,6 +37,7 @@ class DraftState:
     parked: bool = False
     probe: bool = False                                       # stale because the policy woke it
     cached: int = 0                                           # new request: leading positions sent without rows
+    prompt_only: bool = False
 
     def prefilled(self, tokens: list[int], rows: rows_pb2.HiddenRows, speculate: bool, wants_drafts: bool,
                   cached: int = 0) -> None:
@@ -40,7 +45,8 @@ class DraftState:
         rows, which skip the first `cached` positions (the target's prefix cache held them; the draft
         takes them from its own, or answers not_held). A request that wants drafts but cannot have them
         now (speculation degraded, no rows) starts stale, so it is re-synced once the draft is back."""
-        self.speculate, self.stale = speculate, wants_drafts and not speculate
+        self.speculate, self.stale = speculate and wants_drafts, wants_drafts and not speculate
+        self.prompt_only = speculate and not wants_drafts
         self.pending, self.position, self.rows, self.cached = list(tokens), 0, rows, cached
 
     def proposed(self) -> None:
@@ -51,11 +57,16 @@ class DraftState:
     def verified(self, tokens: list[int], rows: rows_pb2.HiddenRows) -> None:
         """A Verify committed `tokens`: they and their rows go to the draft with the next Propose, while
         it still speculates for this request (a stale one is rebuilt from all committed tokens)."""
-        if self.speculate:
+        if self.speculate or self.prompt_only and not self.pending:    # (a prompt not yet given stays pending)
             self.pending, self.rows = list(tokens), rows
+
+    def prompt_given(self) -> None:
+        """A prompt-only request's whole prompt (and first token) reached the draft: no more of it goes there."""
+        self.prompt_only = False
 
     def lost(self) -> None:
         """The draft failed or its state of this request is unknown: decode without drafts, re-sync later."""
+        self.prompt_only = False
         if self.speculate:
             self.speculate, self.stale = False, True
 

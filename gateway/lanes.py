@@ -16,6 +16,7 @@ metadata is sent once.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -29,11 +30,13 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class Lane:
     """`await lane(request, timeout=s)` -> the response, over one reused stream of `open_stream()`."""
 
-    def __init__(self, open_stream, unary, name: str):
+    def __init__(self, open_stream, unary, name: str, busy_poll: bool = False):
         self.open_stream, self.unary, self.name = open_stream, unary, name
         self.call = None               # the open stream, between clean calls
         self.streaming = True
         self.opened = 0                # streams opened (1 while nothing fails)
+        self.written_at = self.read_at = 0.0   # the last call's message written, its answer read (perf_counter)
+        self.busy_poll = busy_poll
         self._lock = asyncio.Lock()    # one call at a time on a stream (the Scheduler makes one anyway)
 
     async def __call__(self, request, *, timeout: float | None = None):
@@ -55,6 +58,7 @@ class Lane:
                 call = self.open_stream()
                 self.opened += 1
             await call.write(request)
+            self.written_at = time.perf_counter()
         except grpc.aio.AioRpcError as e:
             return asyncio.ensure_future(self._failed(call, e, request, timeout))
         except BaseException:                   # cancelled by the caller, or the stream already finished
@@ -67,7 +71,7 @@ class Lane:
     async def _answer(self, call, request, timeout: float | None):
         """The response to `request`, just written on `call`; frees the stream for the next call."""
         try:
-            resp = await asyncio.wait_for(call.read(), timeout)
+            resp = await self._read(call, timeout)
         except asyncio.TimeoutError:
             call.cancel()
             self._lock.release()
@@ -78,6 +82,7 @@ class Lane:
             call.cancel()
             self._lock.release()
             raise
+        self.read_at = time.perf_counter()
         self._lock.release()
         if resp is grpc.aio.EOF:                # the service ended the stream without answering
             code, details = await call.code(), await call.details()
@@ -85,6 +90,24 @@ class Lane:
                             details or f"{self.name}: the stream ended without an answer")
         self.call = call
         return resp
+
+    async def _read(self, call, timeout: float | None):
+        """call.read() within `timeout` (asyncio.TimeoutError past it). busy_poll: the loop keeps turning until
+        the answer is in, never sleeping in its poll: a CPU left idle for the call's few milliseconds takes
+        0.2-0.4 ms to wake on the VMs measured (BENCHMARKS.md "The hops of a call"), once per hop it sleeps."""
+        if not self.busy_poll:
+            return await asyncio.wait_for(call.read(), timeout)
+        read = asyncio.ensure_future(call.read())
+        end = time.perf_counter() + (timeout if timeout is not None else float("inf"))
+        try:
+            while not read.done():
+                if time.perf_counter() > end:
+                    raise asyncio.TimeoutError
+                await asyncio.sleep(0)
+        except BaseException:
+            read.cancel()
+            raise
+        return read.result()
 
     async def _failed(self, call, e: grpc.aio.AioRpcError, request, timeout: float | None):
         """The stream failed: dropped; raised as the unary call's error, or (UNIMPLEMENTED: an older
@@ -97,6 +120,17 @@ class Lane:
         self.streaming = False
         return await self.unary(request, timeout=timeout)
 
+    def legs(self, timing) -> tuple[float, float] | None:
+        """The last call's one-way hops (seconds): message written -> the service's handler got it, response
+        built -> read here, from the service's stamps (CallTiming received_at / answered_at; a service on
+        this host shares the clock). None when unstamped (unary, in process) or out of the call's span (a
+        service on another host's clock)."""
+        if not (timing.received_at and timing.answered_at):
+            return None
+        out = timing.received_at - self.written_at, self.read_at - timing.answered_at
+        span = self.read_at - self.written_at
+        return out if min(out) >= 0 and sum(out) <= span else None
+
     def close(self) -> None:
         if self.call is not None:
             self.call.cancel()
@@ -106,16 +140,16 @@ class Lane:
 class StreamedTarget:
     """The target as the Scheduler calls it (gateway/stubs.py TargetStub): Verify on a lane, the rest unary."""
 
-    def __init__(self, stub):
+    def __init__(self, stub, busy_poll: bool = False):
         self.stub = stub
-        self.Verify = Lane(stub.VerifyStream, stub.Verify, "target VerifyStream")
+        self.Verify = Lane(stub.VerifyStream, stub.Verify, "target VerifyStream", busy_poll)
         self.Prefill, self.RecomputeRows, self.Release = stub.Prefill, stub.RecomputeRows, stub.Release
 
 
 class StreamedDraft:
     """The draft as the Scheduler calls it (gateway/stubs.py DraftStub): Propose on a lane, Release unary."""
 
-    def __init__(self, stub):
+    def __init__(self, stub, busy_poll: bool = False):
         self.stub = stub
-        self.Propose = Lane(stub.ProposeStream, stub.Propose, "draft ProposeStream")
+        self.Propose = Lane(stub.ProposeStream, stub.Propose, "draft ProposeStream", busy_poll)
         self.Release = stub.Release

@@ -114,6 +114,7 @@ async def collect(s: Scheduler, p: Proposal, batch: list[GenRequest],
         return {}
     s.avail.draft_proposed()
     split["propose"] += time.perf_counter() - t0
+    hops(s.draft.Propose, presp.timing, split)
     split["transfer"] += presp.timing.transfer_seconds
     split["draft_compute"] += presp.timing.compute_seconds
     drafts = {}
@@ -127,6 +128,15 @@ async def collect(s: Scheduler, p: Proposal, batch: list[GenRequest],
     if lacked:                                  # its prefix cache lacked what the target had
         await recover(s, lacked, drafts)
     return drafts
+
+
+def hops(method, timing, split: dict[str, float]) -> None:
+    """A streamed call's one-way hops (gateway/lanes.py Lane.legs) into the round's split, where known:
+    rpc_request (written -> the service's handler has it), rpc_response (built -> read by the gateway)."""
+    legs = method.legs(timing) if hasattr(method, "legs") else None
+    if legs is not None:
+        split["rpc_request"] = split.get("rpc_request", 0.0) + legs[0]
+        split["rpc_response"] = split.get("rpc_response", 0.0) + legs[1]
 
 
 def verify_item(r: GenRequest, res: draft_pb2.ProposeResult | None) -> target_pb2.VerifyItem:

@@ -1,14 +1,13 @@
 """Continuous batching of speculative rounds: Prefill new requests, then Propose -> Verify -> commit.
 
-While no prefill chunk or re-sync waits for the draft first, rounds overlap: the next round's Propose goes
-out as soon as a Verify answers, before that round's commit (gateway/proposals.py).
-Requests join between rounds and leave as they finish; with a token budget a long prompt is prefilled in
-chunks, one Prefill per step before the round (gateway/chunking.py). Tokens are committed only from the
-target's answers. A draft that fails (other than a contract error) costs speed, not tokens: its
-requests continue with zero drafts, speculation is degraded until the draft answers again, and
-their draft cache is re-synced before it proposes for them again (gateway/availability.py,
-gateway/resync.py). A contract error or a target failure ends every request of that round with
-the service's status and message; a target that is UNAVAILABLE also refuses new requests.
+While no prefill chunk or re-sync waits for the draft first, rounds overlap: the next round's Propose goes out
+as soon as a Verify answers, before that round's commit (gateway/proposals.py). Requests join between rounds and
+leave as they finish; with a token budget a long prompt is prefilled in chunks, one Prefill per step before the
+round (gateway/chunking.py). Tokens are committed only from the target's answers. A draft that fails (other than
+a contract error) costs speed, not tokens: its requests continue with zero drafts, speculation is degraded until
+the draft answers again, and their draft cache is re-synced before it proposes for them again
+(gateway/availability.py, gateway/resync.py). A contract error or a target failure ends every request of that
+round with the service's status and message; a target that is UNAVAILABLE also refuses new requests.
 
 Deadlines: a request past its deadline fails (DEADLINE_EXCEEDED) and is freed before the next round; a
 call whose requests all carry deadlines is given no longer than the last of them. Each request's k: gateway/adaptive.py.
@@ -184,7 +183,7 @@ class Scheduler:
             spec = [r for r in batch if r.draft.speculate and r.id not in ahead.ids]
             self.policy.joining(spec)
         if spec:
-            feed, self.feed = [r for r in self.feed if r.draft.speculate and not r.finished], []
+            feed, self.feed = [r for r in self.feed if (r.draft.speculate or r.draft.prompt_only) and not r.finished], []
             more = await proposals.collect(self, await proposals.send(self, spec, feed), batch, split)
             if more is None:
                 return
@@ -200,6 +199,7 @@ class Scheduler:
                 self._target_failed(batch, e, "Verify")
             return
         split.update(verify=time.perf_counter() - t0, target_compute=vresp.timing.compute_seconds)
+        proposals.hops(self.target.Verify, vresp.timing, split)
         ks = [len(drafts[r.id].draft_token_ids) if r.id in drafts else 0 for r in batch]
         self.policy.record(ks)
         for r, res, k in zip(batch, vresp.results, ks):

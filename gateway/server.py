@@ -120,7 +120,8 @@ async def serve(cfg: GatewayConfig) -> None:
     metrics = GatewayMetrics(cfg.model_name)
     target, draft = svc.target, svc.draft           # each round's Verify / Propose on a persistent stream
     if cfg.service_calls == "stream":
-        target, draft = StreamedTarget(target), (None if draft is None else StreamedDraft(draft))
+        target, draft = (StreamedTarget(target, cfg.busy_poll),
+                         None if draft is None else StreamedDraft(draft, cfg.busy_poll))
     scheduler = Scheduler(target, draft, set(info.eos_token_ids), cfg.max_batch, cfg.rpc_timeout_s,
                           transport=TRANSPORTS[cfg.hidden_transport], observer=metrics,
                           draft_timeout_s=cfg.draft_timeout_s, max_waiting=cfg.max_waiting,

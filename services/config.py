@@ -60,7 +60,7 @@ class ServiceConfig:
     num_blocks: int = 2048
     block_size: int = 16
     max_model_len: int = MAX_MODEL_LEN   # 0: the model's own (launch.context_limit caps it by model and cache)
-    threads: int = 1                 # torch CPU threads (one per process keeps a local cluster calm)
+    threads: int = 1                 # torch CPU threads when serving, on any device (a local cluster stays calm)
     bridge_timeout_s: float = 10.0   # draft: how long Propose waits for a bridge frame
     bridge_ipc_mib: int = 256        # target: CUDA IPC ring of 8 slots (a slot: the largest transfer; larger go inline)
     tp: int = 1                      # tensor-parallel ranks (processes)

@@ -75,6 +75,10 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
                               index_scoring=cfg.index_scoring, graphs=cfg.tp == 1 and not cfg.enforce_eager,
                               graph_batch=cfg.cuda_graph_max_batch, what=f"tandem {role}",
                               prefix_cache=not cfg.no_prefix_cache, quantization=cfg.quantization)
+        # loaded: from here a GPU service's host work (a step's layout, row bookkeeping) is small, and a pool of
+        # idle threads made one parallel op of it wait milliseconds for them to wake (BENCHMARKS.md "The hops of
+        # a call": 6-8 ms a batch-32 Propose); a CPU service computes on these threads too (setup_torch)
+        torch.set_num_threads(cfg.threads)
         if role == "draft":
             engine.q_mass = cfg.draft_q_mass       # on every rank: they draw alike (rank 0 decides the tokens)
         group = RankGroup(engine, ps)

@@ -2,10 +2,12 @@
 the hello their bridge exchanges."""
 from __future__ import annotations
 
+import time
 from concurrent import futures
 
 from infra import grpc_server, tracing
 from infra.errors import ServiceError
+from services import profiling
 from services.bridge.rows import CONTRACT_VERSION
 from services.config import ServiceConfig
 from services.identity import model_identity
@@ -59,10 +61,13 @@ class ServicerBase:
         failure aborts the stream with that call's status. A message that arrives after the caller gave
         up (the stream cancelled) is not run."""
         for request in requests:
+            received = time.perf_counter()          # CLOCK_MONOTONIC on Linux: one clock for the host
             if not context.is_active():
                 return
-            with tracing.server_span(method, request.trace_context):
-                yield one(request, context)
+            with tracing.server_span(method, request.trace_context), profiling.call(method):
+                resp = one(request, context)
+            resp.timing.received_at, resp.timing.answered_at = received, time.perf_counter()
+            yield resp
 
     def GetInfo(self, request, context):
         if self.group.broken:                 # exiting to be restarted: not back for a gateway's check

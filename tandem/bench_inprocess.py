@@ -5,8 +5,8 @@ draft servicers, tandem/inprocess.py), placed as `tandem serve` places them (tar
 cuda:1 when there are two GPUs), but no gRPC, no gateway process and no bridge: messages are handed over
 as objects and hidden rows as tensors. Continuous batching as the gateway does it: up to `batch` requests
 run, a finished one is replaced by the next prompt before the following round. Served tokens/s divided by
-these tokens/s is the cost of the split. On a CPU the engines compute on the served services' torch thread count
-(one), so the two sides differ only by the split.
+these tokens/s is the cost of the split. The engines run on the served services' torch thread count (one: their
+host work, and on a CPU their compute), so the two sides differ only by the split.
 """
 from __future__ import annotations
 
@@ -96,8 +96,11 @@ def run_loop(te: TargetEngine, de: DraftEngine | None, prompts: list[list[int]],
 
 
 def measure(te, de, prompts, k, batch, max_tokens) -> dict:
-    """One warm-up pass over `batch` prompts, then the timed pass over all -> a result row."""
+    """One warm-up pass over `batch` prompts and the others for 2 tokens (prefix caches as in
+    tandem.bench_speed.run_served), then the timed pass over all -> a result row."""
     run_loop(te, de, prompts[:batch], k, batch, max_tokens)
+    if prompts[batch:]:
+        run_loop(te, de, prompts[batch:], k, batch, 2)
     r = run_loop(te, de, prompts, k, batch, max_tokens)
     per_round = {name: 1000 * s / max(r.rounds, 1) for name, s in r.split.items()}
     return {"k": k, "batch": batch, "tokens": r.tokens, "wall_s": r.wall_s, "tokens_per_s": r.tokens / r.wall_s,
@@ -138,12 +141,11 @@ def random_id(a) -> str | None:
 
 
 def grid_engines(model: str, a, profile: str | None = None) -> tuple[TargetEngine, DraftEngine]:
-    """The engines of a's grid with synthetic acceptance `profile` (default a.synthetic_acceptance); on a CPU
-    they compute on the served services' torch thread count."""
+    """The engines of a's grid with synthetic acceptance `profile` (default a.synthetic_acceptance), on the served
+    services' torch thread count."""
     from services.config import ServiceConfig
     from services.target.synthetic import parse_profile
-    if a.device == "cpu":               # as served: each service computes on ServiceConfig.threads torch threads
-        torch.set_num_threads(ServiceConfig.threads)
+    torch.set_num_threads(ServiceConfig.threads)   # as served: each service's host work on that many threads
     synth = parse_profile(a.synthetic_acceptance if profile is None else profile)
     return make_engines(model, a.device, a.dtype, synthetic_acceptance=synth,
                         quantization=getattr(a, "quantization", "auto"),

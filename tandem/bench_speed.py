@@ -61,17 +61,21 @@ def scrape(http_addr: str) -> dict[str, list[float]]:
 
 def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, batch: int, max_tokens: int,
                mixed: bool = False) -> dict:
-    """`batch` concurrent requests at a time until every prompt is done (after one warm-up batch); greedy,
-    or (mixed) every other one sampled at temperature 1."""
-    def one(i_ids):
+    """`batch` concurrent requests at a time until every prompt is done (after one warm-up batch, and every
+    other prompt once at this k for 2 tokens); greedy, or (mixed) every other one sampled at temperature 1.
+    The short pass puts every prompt in both services' prefix caches before each row: a K = 0 row's
+    prompts reach the target's cache only, and a K > 0 row after it found their prefixes on the target and
+    not on the draft, so every request's first round waited on a recovery (gateway/prefix_recovery.py)."""
+    def one(i_ids, tokens=max_tokens):
         i, ids = i_ids
         t0 = time.perf_counter()
         r = stub.Generate(generate_pb2.GenerateRequest(
-            token_ids=generate_pb2.TokenIds(ids=ids), max_tokens=max_tokens, ignore_eos=True, seed=1000 + i,
+            token_ids=generate_pb2.TokenIds(ids=ids), max_tokens=tokens, ignore_eos=True, seed=1000 + i,
             temperature=1.0 if mixed and i % 2 else 0.0, num_speculative_tokens=k), timeout=900)
         return r, time.perf_counter() - t0
     with ThreadPoolExecutor(batch) as pool:
         list(pool.map(one, enumerate(prompts[:batch])))                    # warm-up
+        list(pool.map(partial(one, tokens=2), enumerate(prompts[batch:])))  # prefix caches
         before = scrape(http_addr) if http_addr else {}
         t0 = time.perf_counter()
         results = list(pool.map(one, enumerate(prompts)))
@@ -88,6 +92,10 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
         split["between"] = 1000 * wall / rounds - split["round"]
         for ph in ("prefill", "resync"):
             split[ph] = 1000 * (after.get(ph, [0, 0])[0] - before.get(ph, [0, 0])[0]) / rounds
+        for ph in ("rpc_request", "rpc_response"):      # per round that had them (streams on this host)
+            d = [after.get(ph, [0, 0])[i] - before.get(ph, [0, 0])[i] for i in (0, 1)]
+            if d[1]:
+                split[ph] = 1000 * d[0] / d[1]
     return {"k": k, "batch": batch, "mean_k": ks[0] / ks[1] if ks[1] else float(k), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0, "rounds": int(rounds),
@@ -238,10 +246,12 @@ def main(argv=None) -> int:
              "after the real forward; outputs are not the model's)" if any(profiles) else "")
     load = "greedy" if a.workload == "greedy" else "mixed (every other request T=1)"
     md = (f"Speed of {model} on {a.device} ({time.strftime('%Y-%m-%d')}), {load}, {a.prompt_tokens}-token prompts, "
-          f"{a.max_tokens} new tokens, {a.requests_per_batch} x batch requests after one warm-up batch{synth}\n"
+          f"{a.max_tokens} new tokens, {a.requests_per_batch} x batch requests after one warm-up batch (and every "
+          f"prompt once for 2 tokens){synth}\n"
           f"`tandem bench speed {' '.join(argv or [])}`\n\n" + table(rows) + "\n\n"
           "ms per round: propose / verify are the RPC walls seen by the gateway; transfer and draft compute are "
-          "inside propose, target compute inside verify; RPC overhead = propose + verify less those; gateway = "
+          "inside propose, target compute inside verify; RPC overhead = propose + verify less those, of which the "
+          "hops (request / response: one-way, both calls, from the services' stamps); gateway = "
           "round less both RPCs. Ideal round: byte floors of the verify step and of K draft steps (tandem/roofline.py) "
           f"at {a.prompt_tokens + a.max_tokens // 2} cached positions and {bw / 1e12:.2f} TB/s (copy bandwidth measured "
           "in this run); ideal tok/s = batch x mean acceptance length / ideal round.\n")

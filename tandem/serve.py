@@ -49,6 +49,8 @@ def add_gateway_flags(p) -> None:
                    "round before sending the next round's Propose (default: overlapped, gateway/proposals.py)")
     p.add_argument("--service-calls", default="stream", choices=("stream", "unary"), help="gateway: each round's "
                    "Verify and Propose on one persistent gRPC stream per service, or as unary calls")
+    p.add_argument("--no-busy-poll", dest="busy_poll", action="store_false", help="gateway: sleep while a round's "
+                   "Verify or Propose is out (default: keep polling, one CPU busy while calls run)")
 
 
 def parse(argv):
@@ -193,6 +195,7 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                   "--max-output-tokens", str(a.max_output_tokens),
                                   "--max-request-bytes", str(a.max_request_bytes),
                                   "--max-waiting", str(a.max_waiting), "--service-calls", a.service_calls]
+                                 + ([] if a.busy_poll else ["--no-busy-poll"])
                                  + ([] if a.overlap_rounds else ["--no-overlap-rounds"]) + tls,
                  f"{a.host}:{a.grpc_port}"))
     return cmds

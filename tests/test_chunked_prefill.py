@@ -79,14 +79,14 @@ async def drain(r):
             return toks, e.error
 
 
-def cluster(models, budget, fail_t=None, fail_d=None, before=None, prefix=False):
+def cluster(models, budget, fail_t=None, fail_d=None, before=None, prefix=False, code=grpc.StatusCode.UNAVAILABLE):
     te, de = engines(*models, blocks=96)
     if prefix:
         te.cache.enable_prefix_cache("target", 0)
         de.cache.enable_prefix_cache("draft", 1)
     t, d = servicer_stubs(te, de)
     log = []
-    s = Scheduler(Recorded(t, "target", log, fail_t, before=before), Recorded(d, "draft", log, fail_d), set(),
+    s = Scheduler(Recorded(t, "target", log, fail_t, before=before), Recorded(d, "draft", log, fail_d, code), set(),
                   max_batch=8, transport=rows_pb2.TRANSPORT_BRIDGE, observer=Tokens(log), max_num_batched_tokens=budget)
     return te, de, s, log
 
@@ -204,6 +204,39 @@ def test_a_draft_failing_on_a_chunk_costs_drafts_not_tokens(models):
     r, toks, err = asyncio.run(main())
     assert err is None and s.avail.degraded is not None
     assert toks == greedy_generate(models[0], r.prompt_ids, 12)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_request_asking_no_drafts_gives_the_draft_its_prompt_and_never_fails_for_it(models, fail):
+    """k = 0, its 50-token prompt in 16-token chunks, beside a speculating request (fail: alone, so its feeds go in
+    Proposes of their own): every chunk and the last one with its first token go to the draft as items asking no
+    drafts (its prefix cache then holds the prompt), and nothing of it after; a contract error on such a feed
+    stops the feeds and fails nothing (it wanted no drafts). (In a round's Propose the round's rules apply.)"""
+    te, de, s, log = cluster(models, 16, fail_d=(lambda m, req: m == "Propose") if fail else None,
+                             code=grpc.StatusCode.INVALID_ARGUMENT)
+
+    async def main():
+        loop = asyncio.ensure_future(s.run())
+        reqs = ([] if fail else [request(s, prompt(6, 1), 2, 16)]) + [request(s, prompt(50, 3), 0, 12)]
+        for r in reqs:
+            s.submit(r)
+        out = [await drain(r) for r in reqs]
+        await settle(s, te, de)
+        loop.cancel()
+        return reqs, out
+    reqs, out = asyncio.run(main())
+    plain = reqs[-1]
+    assert [err for _, err in out] == [None] * len(reqs)
+    assert out[-1][0] == greedy_generate(models[0], plain.prompt_ids, 12)
+    fed = [it for who, m, req in log if who == "draft" and m == "Propose" for it in req.items
+           if it.request_id == plain.id]
+    assert fed and all(it.num_draft_tokens == 0 for it in fed)
+    if fail:
+        assert len(fed) == 1 and s.avail.degraded is None          # its first chunk refused, then no more
+    else:
+        assert reqs[0].stats.num_drafts > 0
+        assert sum(len(it.new_token_ids) for it in fed) == 50 + 1    # the prompt and the first token, once
+        assert fed[-1].position + len(fed[-1].new_token_ids) == 51
 
 
 def test_a_target_failing_mid_prompt_ends_it_with_unavailable(models):

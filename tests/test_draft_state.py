@@ -43,3 +43,27 @@ def test_prefill_without_rows_starts_stale_only_when_it_wants_drafts():
     assert (d.speculate, d.stale) == (False, True)
     d.prefilled([1, 7], rows(0), speculate=False, wants_drafts=False)
     assert (d.speculate, d.stale) == (False, False)
+
+
+def test_prompt_only_request_gives_the_draft_its_prompt_and_nothing_after():
+    """k = 0 while the draft speculates for others: the prompt goes to the draft (its prefix cache), never drafts;
+    a Verify before the feed does not replace the pending prompt; once given (or lost), nothing more goes."""
+    d = DraftState()
+    d.prefilled([1, 2, 3, 7], rows(3), speculate=True, wants_drafts=False)
+    assert (d.speculate, d.stale, d.prompt_only, d.pending) == (False, False, True, [1, 2, 3, 7])
+    d.verified([7, 8], rows(1))                    # the round verified before the feed went out
+    assert (d.pending, d.rows.num_rows) == ([1, 2, 3, 7], 3)
+    d.proposed()                                   # a chunk fed: the next chunk is queued by verified
+    d.verified([4, 5], rows(2))
+    assert (d.pending, d.position, d.prompt_only) == ([4, 5], 4, True)
+    d.proposed()
+    d.prompt_given()
+    d.verified([9], rows(1))
+    assert (d.speculate, d.stale, d.prompt_only, d.pending) == (False, False, False, [])
+    e = DraftState()
+    e.prefilled([1, 7], rows(1), speculate=True, wants_drafts=False)
+    e.lost()
+    assert (e.speculate, e.stale, e.prompt_only) == (False, False, False)
+    f = DraftState()
+    f.prefilled([1, 7], rows(1), speculate=False, wants_drafts=False)      # no rows (no draft, or degraded)
+    assert (f.speculate, f.stale, f.prompt_only) == (False, False, False)

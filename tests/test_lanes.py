@@ -42,7 +42,7 @@ def req(rid: str) -> target_pb2.VerifyRequest:
     return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(request_id=rid)])
 
 
-def run(servicer, body):
+def run(servicer, body, busy_poll: bool = False):
     server = grpc.server(futures.ThreadPoolExecutor(4))
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -51,7 +51,7 @@ def run(servicer, body):
     async def main():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = target_pb2_grpc.TargetServiceStub(ch)
-            return await body(Lane(stub.VerifyStream, stub.Verify, "target VerifyStream"))
+            return await body(Lane(stub.VerifyStream, stub.Verify, "target VerifyStream", busy_poll))
     try:
         return asyncio.run(main())
     finally:
@@ -66,19 +66,21 @@ def test_one_stream_while_calls_succeed():
     assert got == list(range(20)) and opened == 1 and streaming
 
 
-def test_a_failure_is_the_unary_status_and_the_next_call_opens_a_new_stream():
+@pytest.mark.parametrize("busy_poll", [False, True])
+def test_a_failure_is_the_unary_status_and_the_next_call_opens_a_new_stream(busy_poll):
     async def body(lane):
         await lane(req("ok:1"), timeout=5)
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await lane(req("bad"), timeout=5)
         after = (await lane(req("ok:2"), timeout=5)).results[0].num_accepted
         return e.value, after, lane.opened
-    err, after, opened = run(StreamingTarget(), body)
+    err, after, opened = run(StreamingTarget(), body, busy_poll)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "refused" in err.details()
     assert after == 2 and opened == 2
 
 
-def test_a_late_answer_is_never_taken_for_the_next_call():
+@pytest.mark.parametrize("busy_poll", [False, True])
+def test_a_late_answer_is_never_taken_for_the_next_call(busy_poll):
     async def body(lane):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await lane(req("slow:99"), timeout=0.1)
@@ -86,12 +88,13 @@ def test_a_late_answer_is_never_taken_for_the_next_call():
         await asyncio.sleep(0.6)                    # the slow call's answer has come and gone
         last = (await lane(req("ok:9"), timeout=5)).results[0].num_accepted
         return e.value.code(), nxt, last, lane.opened
-    code, nxt, last, opened = run(StreamingTarget(), body)
+    code, nxt, last, opened = run(StreamingTarget(), body, busy_poll)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert nxt == [7, 8] and last == 9 and opened == 2
 
 
-def test_cancelled_caller_drops_the_stream():
+@pytest.mark.parametrize("busy_poll", [False, True])
+def test_cancelled_caller_drops_the_stream(busy_poll):
     async def body(lane):
         task = asyncio.ensure_future(lane(req("slow:5"), timeout=5))
         await asyncio.sleep(0.1)
@@ -99,7 +102,7 @@ def test_cancelled_caller_drops_the_stream():
         with pytest.raises(asyncio.CancelledError):
             await task
         return (await lane(req("ok:3"), timeout=5)).results[0].num_accepted, lane.opened
-    assert run(StreamingTarget(), body) == (3, 2)
+    assert run(StreamingTarget(), body, busy_poll) == (3, 2)
 
 
 def test_a_service_without_the_stream_is_called_unary():
@@ -110,3 +113,22 @@ def test_a_service_without_the_stream_is_called_unary():
         return got, lane.streaming
     got, streaming = run(target, body)
     assert got == [0, 1, 2] and not streaming and target.ran == 3
+
+
+@pytest.mark.parametrize("busy_poll", [False, True])
+def test_the_hops_of_a_streamed_call_come_from_the_services_stamps(busy_poll):
+    """The handler stamps when it got the message and built its answer (one host, one CLOCK_MONOTONIC): the two
+    one-way hops exclude the handler's 0.5 s; unary answers carry no stamps, so no hops."""
+    async def body(lane):
+        t0 = time.perf_counter()
+        resp = await lane(req("slow:1"), timeout=5)
+        wall = time.perf_counter() - t0
+        return resp.timing, lane.legs(resp.timing), wall
+    timing, legs, wall = run(StreamingTarget(), body, busy_poll)
+    assert timing.answered_at - timing.received_at >= 0.5
+    assert legs is not None and min(legs) >= 0 and sum(legs) < 0.1 and wall >= 0.5 + sum(legs)
+
+    async def unary(lane):
+        resp = await lane(req("ok:1"), timeout=5)
+        return lane.legs(resp.timing)
+    assert run(Target(), unary) is None

@@ -69,3 +69,27 @@ def test_a_shared_prefix_is_served_from_both_caches(api_cluster):
     assert t_b <= 0.5 * t_a, (t_a, t_b)
     model = load_model(TargetModel, api_cluster.ckpt)
     assert toks_b == greedy_generate(model, b, len(toks_b))
+
+
+def test_a_prompt_that_asked_no_drafts_reaches_the_drafts_prefix_cache_too(api_cluster):
+    """A request asking no drafts (num_speculative_tokens 0) is fed its prompt to the draft all the same
+    (DraftState.prompt_only): a speculating request that shares the prefix then finds it in the draft's cache as
+    well as the target's (the draft's hits move; without the feed the draft lacked it and the request's first round
+    waited on a recovery, gateway/prefix_recovery.py), and its greedy tokens stay the model's."""
+    g = torch.Generator().manual_seed(23)
+    prefix = torch.randint(3, 500, (320,), generator=g).tolist()
+    a, b = prefix + [7, 8], prefix + [9, 10, 11]
+    with httpx.Client(base_url=api_cluster.url, timeout=300) as http:
+        r = http.post("/v1/completions", json={"model": api_cluster.model_name, "prompt": a, "max_tokens": 4,
+                                               "temperature": 0, "num_speculative_tokens": 0})
+        assert r.status_code == 200, r.text
+        mid = http.get("/metrics").text
+        _, toks_b, u_b = ttft(http, api_cluster.model_name, b)
+        after = http.get("/metrics").text
+    shared = len(prefix) // BS * BS                                    # 20 full blocks
+    assert u_b["prompt_tokens_details"]["cached_tokens"] == shared, u_b
+    for service in ("target", "draft"):
+        hits = [counter(t, "prefix_cache_hits", service) for t in (mid, after)]
+        assert hits[1] - hits[0] >= shared, (service, hits)
+    model = load_model(TargetModel, api_cluster.ckpt)
+    assert toks_b == greedy_generate(model, b, len(toks_b))
