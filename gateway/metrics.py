@@ -55,9 +55,10 @@ class GatewayMetrics(Observer):
                              buckets=LATENCY_BUCKETS, registry=r)
         self.phases = Histogram(
             "tandem:round_phase_seconds", "Per batch: prefill (RPC wall), resync (a draft re-sync's wall); per "
-            "round: round (wall), propose and verify (RPC walls), gateway (round less both RPCs), transfer and draft_compute (inside propose), "
-            "target_compute (inside verify), rpc_request and rpc_response (both calls' one-way hops, services on "
-            "this host)", lab + ["phase"], buckets=PHASE_BUCKETS, registry=r)
+            "round: round (wall), propose and verify (RPC walls), gateway (round less both RPCs), transfer and "
+            "draft_compute (inside propose), target_compute (inside verify), rpc_request and rpc_response (both "
+            "calls' one-way hops, services on this host), rpc_service (their handlers' time around the timed work)",
+            lab + ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens processed", lab, registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated", lab, registry=r)
         self.success = Counter("tandem:request_success", "Requests finished", lab + ["finished_reason"], registry=r)

@@ -132,11 +132,13 @@ async def collect(s: Scheduler, p: Proposal, batch: list[GenRequest],
 
 def hops(method, timing, split: dict[str, float]) -> None:
     """A streamed call's one-way hops (gateway/lanes.py Lane.legs) into the round's split, where known:
-    rpc_request (written -> the service's handler has it), rpc_response (built -> read by the gateway)."""
+    rpc_request (written -> the service's handler has it), rpc_response (built -> read by the gateway), and
+    rpc_service (the handler's time around its timed work: lock, parsing, checks, the response)."""
     legs = method.legs(timing) if hasattr(method, "legs") else None
     if legs is not None:
-        split["rpc_request"] = split.get("rpc_request", 0.0) + legs[0]
-        split["rpc_response"] = split.get("rpc_response", 0.0) + legs[1]
+        around = timing.answered_at - timing.received_at - timing.compute_seconds - timing.transfer_seconds
+        for name, v in zip(("rpc_request", "rpc_response", "rpc_service"), (*legs, max(0.0, around))):
+            split[name] = split.get(name, 0.0) + v
 
 
 def verify_item(r: GenRequest, res: draft_pb2.ProposeResult | None) -> target_pb2.VerifyItem:

@@ -92,7 +92,7 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
         split["between"] = 1000 * wall / rounds - split["round"]
         for ph in ("prefill", "resync"):
             split[ph] = 1000 * (after.get(ph, [0, 0])[0] - before.get(ph, [0, 0])[0]) / rounds
-        for ph in ("rpc_request", "rpc_response"):      # per round that had them (streams on this host)
+        for ph in ("rpc_request", "rpc_response", "rpc_service"):   # per round that had them (this host)
             d = [after.get(ph, [0, 0])[i] - before.get(ph, [0, 0])[i] for i in (0, 1)]
             if d[1]:
                 split[ph] = 1000 * d[0] / d[1]
@@ -251,7 +251,8 @@ def main(argv=None) -> int:
           f"`tandem bench speed {' '.join(argv or [])}`\n\n" + table(rows) + "\n\n"
           "ms per round: propose / verify are the RPC walls seen by the gateway; transfer and draft compute are "
           "inside propose, target compute inside verify; RPC overhead = propose + verify less those, of which the "
-          "hops (request / response: one-way, both calls, from the services' stamps); gateway = "
+          "hops (request / response: one-way, both calls, from the services' stamps) and the handlers' time around "
+          "their timed work (service); gateway = "
           "round less both RPCs. Ideal round: byte floors of the verify step and of K draft steps (tandem/roofline.py) "
           f"at {a.prompt_tokens + a.max_tokens // 2} cached positions and {bw / 1e12:.2f} TB/s (copy bandwidth measured "
           "in this run); ideal tok/s = batch x mean acceptance length / ideal round.\n")

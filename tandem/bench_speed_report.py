@@ -8,8 +8,9 @@ draft compute) + (verify - target compute), each call's part in brackets (issue 
 the round's wait for drafts the commit did not hide, so that figure can go below zero: the overlap won back
 more than the hop cost. Hops: the one-way times of both calls' messages, request (written by the gateway ->
 taken by the service's stream handler) / response (built by the handler -> read by the gateway), from the
-services' CLOCK_MONOTONIC stamps (CallTiming received_at / answered_at: services on the gateway's host); the
-rest of the overhead is the services' work outside their timers and the gateway's loop around the calls.
+services' CLOCK_MONOTONIC stamps (CallTiming received_at / answered_at: services on the gateway's host), then
+the handlers' time around their timed work (service: lock, parsing, checks, building the response); the rest
+of the overhead is the gateway's own work around the calls.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def table(rows: list[dict]) -> str:
     inproc = any("inprocess_tokens_per_s" in r for r in rows)
     head = ["acceptance", "batch", "K", "served tok/s", "run spread", "speedup vs K=0", "mean acc. length", "round ms", "propose ms",
             "transfer ms", "draft compute ms", "verify ms", "target compute ms", "RPC overhead ms (draft / target)",
-            "hops ms (request / response)", "gateway ms",
+            "hops ms (request / response / service)", "gateway ms",
             "between rounds ms", "re-probes"]
     head += ["in-process tok/s", "in-process speedup", "served / in-process"] if inproc else []
     head += ["ideal round ms", "ideal tok/s", "served of ideal"]
@@ -45,7 +46,8 @@ def table(rows: list[dict]) -> str:
 
 
 def hops(s: dict) -> str:
-    return f"{s['rpc_request']:.2f} / {s['rpc_response']:.2f}" if "rpc_request" in s else ""
+    return (f"{s['rpc_request']:.2f} / {s['rpc_response']:.2f} / {s.get('rpc_service', 0.0):.2f}"
+            if "rpc_request" in s else "")
 
 
 def k_name(r: dict, mean: bool = False) -> str:

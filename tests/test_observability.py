@@ -61,8 +61,8 @@ def test_metrics_move(api_cluster):
             f'tandem:round_phase_seconds_count{{phase="{phase}"}}', 0), phase
     per = {ph: [after[f'tandem:round_phase_seconds_{x}{{phase="{ph}"}}'] - before.get(
         f'tandem:round_phase_seconds_{x}{{phase="{ph}"}}', 0) for x in ("sum", "count")]
-        for ph in ("round", "rpc_request", "rpc_response")}
-    for ph in ("rpc_request", "rpc_response"):   # both calls' one-way hops, from the services' stamps (one host)
+        for ph in ("round", "rpc_request", "rpc_response", "rpc_service")}
+    for ph in ("rpc_request", "rpc_response", "rpc_service"):   # from the services' stamps (one host)
         assert per[ph][1] > 0 and 0 <= per[ph][0] / per[ph][1] < per["round"][0] / per["round"][1], (ph, per)
     for service in ("target", "draft"):
         assert after[f'tandem:kv_cache_blocks_free{{service="{service}"}}'] > 0
