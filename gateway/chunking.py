@@ -18,10 +18,11 @@ and the prompts the same Prefill completed start their first round on it. The fi
 (`DraftState.verified`); the last chunk's tokens and first token go with the request's first round, as after
 a whole prefill. A request that wants no drafts (k = 0) while the draft speculates for others is fed its prompt
 the same way, its last chunk and first token too, and no more (`DraftState.prompt_only`): the draft's prefix
-cache then holds every prompt the target's does. Faults follow the rounds' rules (gateway/scheduler.py): a failed chunk Prefill ends its
-requests with the target's status; a failed chunk Propose costs drafts, not tokens (the requests are
-re-synced once running), and a contract error ends the chunk's requests (a prompt-only one's feed just stops). Partial prompts live in
-`Scheduler.prefilling`, where cancel(), deadlines and service faults reach them like running requests.
+cache then holds every prompt the target's does. Faults follow the rounds' rules (gateway/scheduler.py): a
+failed chunk Prefill ends its requests with the target's status; a failed chunk Propose costs drafts, not
+tokens (the requests are re-synced once running), and a contract error ends the chunk's requests (a prompt-only
+one's feed just stops). Partial prompts live in `Scheduler.prefilling`, where cancel(), deadlines and service
+faults reach them like running requests.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ async def prefill(s: Scheduler, items: list[tuple[GenRequest, int]]) -> None:
     """One Prefill over `items` (from plan), then the chunk Propose of those still prefilling; the
     finished prompts join s.running with their first token."""
     reqs = [r for r, _ in items]
-    rows = any(s._speculating and (r.prefilled == 0 or r.draft.speculate or r.draft.prompt_only) for r in reqs)
+    rows = any(s._speculating and (r.prefilled == 0 or r.draft.to_draft) for r in reqs)
     req = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
         request_id=r.id, prompt_token_ids=r.context_ids, sampling=r.sampling, logprobs=r.logprobs,
         prompt_logprobs=r.prompt_logprobs, max_chunk_tokens=n) for r, n in items],
@@ -105,7 +106,7 @@ async def prefill(s: Scheduler, items: list[tuple[GenRequest, int]]) -> None:
             r.draft.verified(tokens, rows)
         r.prefilled = end
         if not done:
-            if (r.draft.speculate or r.draft.prompt_only) and not r.cancelled:
+            if r.draft.to_draft and not r.cancelled:
                 s.feed.append(r)
             continue
         if r.draft.prompt_only and not r.cancelled:     # its last chunk too: then the draft holds the prompt
@@ -151,7 +152,7 @@ def fed(feed: list[GenRequest], results) -> None:
 
 async def feed_draft(s: Scheduler, feed: list[GenRequest]) -> None:
     """The step's chunks for the draft when the round made no Propose: a Propose of their own."""
-    feed = [r for r in feed if (r.draft.speculate or r.draft.prompt_only) and not r.finished and not r.cancelled]
+    feed = [r for r in feed if r.draft.to_draft and not r.finished and not r.cancelled]
     if not feed:
         return
     sets, index = row_sets(feed)

@@ -39,6 +39,11 @@ class DraftState:
     cached: int = 0                                           # new request: leading positions sent without rows
     prompt_only: bool = False
 
+    @property
+    def to_draft(self) -> bool:
+        """Its pending tokens go to the draft: it speculates, or its prompt is still being given (prompt_only)."""
+        return self.speculate or self.prompt_only
+
     def prefilled(self, tokens: list[int], rows: rows_pb2.HiddenRows, speculate: bool, wants_drafts: bool,
                   cached: int = 0) -> None:
         """After Prefill: the draft gets `tokens` (prompt + first token) from position 0 with Prefill's

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from gateway import chunking
+from gateway.lanes import Lane
 from gateway.prefix_recovery import recover
 from gateway.request import call_budget
 from gateway.stubs import CONTRACT_CODES, client_status
@@ -134,7 +135,7 @@ def hops(method, timing, split: dict[str, float]) -> None:
     """A streamed call's one-way hops (gateway/lanes.py Lane.legs) into the round's split, where known:
     rpc_request (written -> the service's handler has it), rpc_response (built -> read by the gateway), and
     rpc_service (the handler's time around its timed work: lock, parsing, checks, the response)."""
-    legs = method.legs(timing) if hasattr(method, "legs") else None
+    legs = method.legs(timing) if isinstance(method, Lane) else None
     if legs is not None:
         around = timing.answered_at - timing.received_at - timing.compute_seconds - timing.transfer_seconds
         for name, v in zip(("rpc_request", "rpc_response", "rpc_service"), (*legs, max(0.0, around))):

@@ -183,7 +183,7 @@ class Scheduler:
             spec = [r for r in batch if r.draft.speculate and r.id not in ahead.ids]
             self.policy.joining(spec)
         if spec:
-            feed, self.feed = [r for r in self.feed if (r.draft.speculate or r.draft.prompt_only) and not r.finished], []
+            feed, self.feed = [r for r in self.feed if r.draft.to_draft and not r.finished], []
             more = await proposals.collect(self, await proposals.send(self, spec, feed), batch, split)
             if more is None:
                 return

@@ -63,9 +63,9 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
                mixed: bool = False) -> dict:
     """`batch` concurrent requests at a time until every prompt is done (after one warm-up batch, and every
     other prompt once at this k for 2 tokens); greedy, or (mixed) every other one sampled at temperature 1.
-    The short pass puts every prompt in both services' prefix caches before each row: a K = 0 row's
-    prompts reach the target's cache only, and a K > 0 row after it found their prefixes on the target and
-    not on the draft, so every request's first round waited on a recovery (gateway/prefix_recovery.py)."""
+    The short pass puts every prompt in both services' prefix caches before each row, so every row decodes with
+    warm caches (before k = 0 prompts were fed to the draft, a K > 0 row after a K = 0 row found their prefixes
+    on the target alone and waited on a recovery each: gateway/prefix_recovery.py)."""
     def one(i_ids, tokens=max_tokens):
         i, ids = i_ids
         t0 = time.perf_counter()
