@@ -16,6 +16,7 @@ DESCRIPTION = """`tandem gateway`: the public face in front of the target and dr
 GenerateService and the OpenAI-compatible REST API (gateway/http.py), in one process and event loop."""
 # how the gateway asks the target for rows: auto (the services settle it), bridge, or inline
 SPECULATION = ("fixed", "adaptive")       # gateway/adaptive.py
+SERVICE_CALLS = ("local", "stream", "unary")   # gateway/local_lane.py, gateway/lanes.py, plain gRPC calls
 TRANSPORTS = {name: rows_pb2.TRANSPORT_INLINE if name == "inline" else rows_pb2.TRANSPORT_UNSPECIFIED if name == "auto"
               else rows_pb2.TRANSPORT_BRIDGE for name in HIDDEN_TRANSPORTS}
 
@@ -51,7 +52,7 @@ class GatewayConfig:
     rpc_timeout_s: float = 60.0              # a Prefill / Verify / RecomputeRows call (client deadlines bound it)
     draft_timeout_s: float = 10.0            # a Propose; past it the round goes on without drafts
     random_config: str = ""                  # target and draft run a random-weight preset: no tokenizer
-    service_calls: str = "stream"            # a round's Verify / Propose: on one persistent stream, or unary
+    service_calls: str = "local"             # a round's Verify / Propose: local lane (else stream), stream, or unary
     overlap_rounds: bool = True              # the next round's Propose goes out before this round commits
     busy_poll: bool = True                   # the loop polls, never sleeps, while a Verify / Propose is out
 
@@ -82,8 +83,8 @@ class GatewayConfig:
                              f"{self.max_num_batched_tokens}")
         if self.hidden_transport not in TRANSPORTS:
             raise SystemExit(f"--hidden-transport must be one of {list(TRANSPORTS)}, got {self.hidden_transport!r}")
-        if self.service_calls not in ("stream", "unary"):
-            raise SystemExit(f"--service-calls must be 'stream' or 'unary', got {self.service_calls!r}")
+        if self.service_calls not in SERVICE_CALLS:
+            raise SystemExit(f"--service-calls must be one of {'|'.join(SERVICE_CALLS)}, got {self.service_calls!r}")
         if not self.random_config and not (Path(self.model) / "tokenizer.json").exists():
             raise SystemExit(f"--model {self.model}: no tokenizer.json there")
         if min(self.max_prompt_tokens, self.max_output_tokens) < 0 or self.max_request_bytes < 1024:
@@ -147,8 +148,10 @@ def parse(argv) -> GatewayConfig:
                    "gRPC request message (RESOURCE_EXHAUSTED beyond) of the public API")
     p.add_argument("--random-config", default="", help="target and draft serve a random-weight preset "
                    "(--random-config of `tandem target`): no tokenizer, requests must send token ids")
-    p.add_argument("--service-calls", default="stream", help="each round's Verify and Propose: 'stream' (one "
-                   "persistent gRPC stream per service, gateway/lanes.py) or 'unary' (one call each)")
+    p.add_argument("--service-calls", default="local", help="each round's Verify and Propose: 'local' (the service's "
+                   "local lane, a Unix socket, where it offers one and this gateway shares its host and network namespace; "
+                   "else as 'stream'; gateway/local_lane.py), 'stream' (one persistent gRPC stream per service, "
+                   "gateway/lanes.py) or 'unary' (one gRPC call each)")
     tls_mod.add_flags(p)
     a = p.parse_args(argv)
     if a.model and a.random_config:      # as on target and draft: one model, named one way

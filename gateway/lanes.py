@@ -21,6 +21,7 @@ import time
 import grpc
 
 from infra import tracing
+from tandem.v1 import draft_pb2, target_pb2
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -57,8 +58,8 @@ class Lane:
             if call is None or call.done():
                 call = self.open_stream()
                 self.opened += 1
+            self.written_at = time.perf_counter()    # before the write: its await may return after the service has it
             await call.write(request)
-            self.written_at = time.perf_counter()
         except grpc.aio.AioRpcError as e:
             return asyncio.ensure_future(self._failed(call, e, request, timeout))
         except BaseException:                   # cancelled by the caller, or the stream already finished
@@ -137,19 +138,30 @@ class Lane:
             self.call = None
 
 
+def lane(stub, stream, unary, name: str, busy_poll: bool, local: bool, method: str, response_cls) -> Lane:
+    """A round call's lane: on the service's local lane where it offers one this gateway reaches (local), else on
+    its gRPC stream (gateway/local_lane.py)."""
+    if not local:
+        return Lane(stream, unary, name, busy_poll)
+    from gateway.local_lane import LocalLane
+    return LocalLane(stream, unary, name, busy_poll, stub.GetInfo, method, response_cls)
+
+
 class StreamedTarget:
     """The target as the Scheduler calls it (gateway/stubs.py TargetStub): Verify on a lane, the rest unary."""
 
-    def __init__(self, stub, busy_poll: bool = False):
+    def __init__(self, stub, busy_poll: bool = False, local: bool = False):
         self.stub = stub
-        self.Verify = Lane(stub.VerifyStream, stub.Verify, "target VerifyStream", busy_poll)
+        self.Verify = lane(stub, stub.VerifyStream, stub.Verify, "target VerifyStream", busy_poll, local,
+                           "tandem.v1.TargetService/Verify", target_pb2.VerifyResponse)
         self.Prefill, self.RecomputeRows, self.Release = stub.Prefill, stub.RecomputeRows, stub.Release
 
 
 class StreamedDraft:
     """The draft as the Scheduler calls it (gateway/stubs.py DraftStub): Propose on a lane, Release unary."""
 
-    def __init__(self, stub, busy_poll: bool = False):
+    def __init__(self, stub, busy_poll: bool = False, local: bool = False):
         self.stub = stub
-        self.Propose = Lane(stub.ProposeStream, stub.Propose, "draft ProposeStream", busy_poll)
+        self.Propose = lane(stub, stub.ProposeStream, stub.Propose, "draft ProposeStream", busy_poll, local,
+                            "tandem.v1.DraftService/Propose", draft_pb2.ProposeResponse)
         self.Release = stub.Release

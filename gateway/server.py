@@ -119,9 +119,10 @@ async def serve(cfg: GatewayConfig) -> None:
     info = svc.info
     metrics = GatewayMetrics(cfg.model_name)
     target, draft = svc.target, svc.draft           # each round's Verify / Propose on a persistent stream
-    if cfg.service_calls == "stream":
-        target, draft = (StreamedTarget(target, cfg.busy_poll),
-                         None if draft is None else StreamedDraft(draft, cfg.busy_poll))
+    if cfg.service_calls != "unary":
+        local = cfg.service_calls == "local" and not cfg.tls.cert
+        target, draft = (StreamedTarget(target, cfg.busy_poll, local),
+                         None if draft is None else StreamedDraft(draft, cfg.busy_poll, local))
     scheduler = Scheduler(target, draft, set(info.eos_token_ids), cfg.max_batch, cfg.rpc_timeout_s,
                           transport=TRANSPORTS[cfg.hidden_transport], observer=metrics,
                           draft_timeout_s=cfg.draft_timeout_s, max_waiting=cfg.max_waiting,

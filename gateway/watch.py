@@ -33,7 +33,7 @@ MISSES = 3
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 1000)]
 LOAD_FIELDS = {"kv_blocks_total", "kv_blocks_free", "running_requests",     # may differ after a restart
-               "hidden_transport", "bridge_generation", "prefix_cache_queries", "prefix_cache_hits"}
+               "hidden_transport", "bridge_generation", "prefix_cache_queries", "prefix_cache_hits", "local_lane"}
 
 
 def info_changes(before: common_pb2.InfoResponse, now: common_pb2.InfoResponse) -> list[str]:

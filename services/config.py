@@ -44,6 +44,12 @@ FLAG_HELP = {
                             "probability P (stopping at the first rejection) instead of checking it, after the "
                             "real forward pass; greedy requests only. P, or P1,P2,... per position (conditional "
                             "on the one before; the last repeats), e.g. 0.92,0.72,0.36. Empty: off (default)",
+    "no_local_lane": "answer the round call (the target's Verify, the draft's Propose) over gRPC only; by default it "
+                     "is also answered on an abstract Unix socket that a gateway in this host and network namespace "
+                     "uses instead (GetInfo local_lane; never with TLS)",
+    "lane_spin_ms": "the local lane's reader polls without sleeping this long after each call before it blocks, so the "
+                    "next round's call finds it awake (one CPU busy meanwhile). -1: 50 on CUDA, 0 on CPU (its cores "
+                    "compute)",
 }
 
 
@@ -85,6 +91,8 @@ class ServiceConfig:
     no_prefix_cache: bool = False    # prefix caching off (on: full blocks shared by content, models/prefix_cache.py)
     quantization: str = "auto"       # auto | none | fp8 (models/config.QUANTIZATIONS; the draft's is its own)
     draft_q_mass: float = DRAFT_Q_MASS   # draft: sampled drafts from q's top tokens of this mass (kernels/noise.py)
+    no_local_lane: bool = False      # the round call on gRPC only (default: also on a local socket, services/lane.py)
+    lane_spin_ms: float = -1.0       # the local lane's reader polls this long after a call before it sleeps (-1: auto)
 
     @property
     def rank_device(self) -> str:
@@ -93,6 +101,11 @@ class ServiceConfig:
             return self.device
         base = int(self.device.split(":")[1]) if ":" in self.device else 0
         return f"cuda:{base + int(os.environ.get('LOCAL_RANK', self.rank))}"
+
+    @property
+    def lane_spin_s(self) -> float:
+        ms = self.lane_spin_ms if self.lane_spin_ms >= 0 else (50.0 if self.device.startswith("cuda") else 0.0)
+        return ms / 1000
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -129,6 +142,8 @@ class ServiceConfig:
         need(self.tp == 1 or ":" in self.dist_addr, f"--dist-addr must be host:port or env://, got {self.dist_addr!r}")
         need(self.max_message_bytes >= 1 << 16, f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
         need(0 < self.draft_q_mass <= 1, f"--draft-q-mass must be in (0, 1], got {self.draft_q_mass}")
+        need(self.lane_spin_ms >= 0 or self.lane_spin_ms == -1, f"--lane-spin-ms must be >= 0 or -1 (auto), got "
+                                                                  f"{self.lane_spin_ms}")
         need(self.max_draft_tokens >= 0 and self.max_logprobs >= 0, "--max-draft-tokens and --max-logprobs must be >= 0")
         try:
             parse_profile(self.synthetic_acceptance)

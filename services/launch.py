@@ -90,11 +90,14 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
         channel = RowChannel(cfg.bridge_addr, "sender" if role == "target" else "receiver", backend,
                              cfg.rank_device, hello=hello(cfg), ipc_bytes=cfg.bridge_ipc_mib << 20) if backend else None
         servicer = make_servicer(cfg, group, channel)
+        lane = None if cfg.no_local_lane or cfg.tls.cert else servicer.open_lane(cfg.lane_spin_s, cfg.max_message_bytes)
         try:
             tracing.setup(f"tandem-{role}", cfg.otlp_endpoint)
             grpc_server.serve(lambda s: add_servicer(servicer, s), [service_name], cfg.host, cfg.port,
                               max_bytes=cfg.max_message_bytes, tls=cfg.tls)
         finally:
+            if lane is not None:
+                lane.close()
             group.close()
     finally:
         for w in workers:

@@ -9,14 +9,15 @@ from infra import grpc_server, tracing
 from infra.errors import ServiceError
 from services import profiling
 from services.bridge.rows import CONTRACT_VERSION
+from services.lane import LaneServer
 from services.config import ServiceConfig
 from services.identity import model_identity
 from tandem.v1 import common_pb2
 
 
-def service_info(cfg: ServiceConfig, engine, running: int, channel=None):
+def service_info(cfg: ServiceConfig, engine, running: int, channel=None, lane: str = ""):
     """The InfoResponse both services answer GetInfo with (the gateway checks they agree); `channel`: the
-    service's end of the hidden-row bridge (None: inline rows only)."""
+    service's end of the hidden-row bridge (None: inline rows only); `lane`: its local lane's name (services/lane.py)."""
     mc = engine.model.cfg
     transport, generation = channel.state() if channel is not None else ("", 0)
     reserved = getattr(engine.forward, "reserved_blocks", 0)     # CUDA graphs' scratch block: no request's
@@ -28,12 +29,21 @@ def service_info(cfg: ServiceConfig, engine, running: int, channel=None):
         num_nextn_predict_layers=mc.num_nextn_predict_layers, model_identity=model_identity(cfg.model),
         index_topk=mc.index_topk or 0, index_scoring=engine.cache.index_scoring or "",
         hidden_transport=transport, bridge_generation=generation, prefix_caching=engine.cache.pool.enabled,
-        prefix_cache_queries=engine.cache.pool.queries, prefix_cache_hits=engine.cache.pool.hits)
+        prefix_cache_queries=engine.cache.pool.queries, prefix_cache_hits=engine.cache.pool.hits, local_lane=lane)
 
 
 def hello(cfg: ServiceConfig) -> dict:
     """What target and draft exchange when their bridge connects (and report in GetInfo)."""
     return {"model_identity": model_identity(cfg.model), "contract_version": CONTRACT_VERSION}
+
+
+def answer(method: str, one, request, context, received: float):
+    """One round call answered by the unary handler `one`, as a stream or a local lane runs it: traced,
+    profiled (services/profiling.py), stamped when the request was had (`received`) and answered."""
+    with tracing.server_span(method, request.trace_context), profiling.call(method):
+        resp = one(request, context)
+    resp.timing.received_at, resp.timing.answered_at = received, time.perf_counter()
+    return resp
 
 
 # The threads a persistent stream (ProposeStream, VerifyStream) holds for its lifetime, one per gateway: not
@@ -64,12 +74,21 @@ class ServicerBase:
             received = time.perf_counter()          # CLOCK_MONOTONIC on Linux: one clock for the host
             if not context.is_active():
                 return
-            with tracing.server_span(method, request.trace_context), profiling.call(method):
-                resp = one(request, context)
-            resp.timing.received_at, resp.timing.answered_at = received, time.perf_counter()
-            yield resp
+            yield answer(method, one, request, context, received)
+
+    def lane(self) -> tuple[str, type, object]:
+        """The round call a local lane serves (services/lane.py): (method, request class, unary handler)."""
+        raise NotImplementedError
+
+    def open_lane(self, spin_s: float, max_bytes: int) -> LaneServer:
+        method, request_cls, one = self.lane()
+        self.lane_server = LaneServer(method, request_cls, lambda req, ctx, received: answer(
+            method, one, req, ctx, received), spin_s, max_bytes)
+        return self.lane_server
 
     def GetInfo(self, request, context):
         if self.group.broken:                 # exiting to be restarted: not back for a gateway's check
             grpc_server.abort(context, "UNAVAILABLE", self.group.broken)
-        return service_info(self.cfg, self.engine, self.running(), getattr(self, "channel", None))
+        lane = getattr(self, "lane_server", None)
+        return service_info(self.cfg, self.engine, self.running(), getattr(self, "channel", None),
+                            lane.name if lane is not None else "")

@@ -47,8 +47,9 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="gateway: largest REST body / gRPC message")
     p.add_argument("--no-overlap-rounds", dest="overlap_rounds", action="store_false", help="gateway: commit each "
                    "round before sending the next round's Propose (default: overlapped, gateway/proposals.py)")
-    p.add_argument("--service-calls", default="stream", choices=("stream", "unary"), help="gateway: each round's "
-                   "Verify and Propose on one persistent gRPC stream per service, or as unary calls")
+    p.add_argument("--service-calls", default="local", choices=("local", "stream", "unary"), help="gateway: each "
+                   "round's Verify and Propose on the services' local lanes (Unix sockets; else as stream), on one "
+                   "persistent gRPC stream per service, or as unary calls")
     p.add_argument("--no-busy-poll", dest="busy_poll", action="store_false", help="gateway: sleep while a round's "
                    "Verify or Propose is out (default: keep polling, one CPU busy while calls run)")
 
@@ -114,6 +115,8 @@ def parse(argv):
                    "target (output keeps the target's distribution; acceptance loses at most the cut mass); 1: all")
     p.add_argument("--bridge-ipc-mib", type=int, default=256, help="target: the CUDA IPC ring of the hidden-row "
                    "bridge (8 slots; a larger transfer goes inline)")
+    p.add_argument("--lane-spin-ms", type=float, default=-1.0, help="target and draft: how long the reader of "
+                   "their local lane polls without sleeping after a call (-1: 50 on CUDA, 0 on CPU)")
     p.add_argument("--synthetic-acceptance", default="", help="BENCHMARK ONLY, changes the output: "
                    "the target accepts each draft with probability P, or P1,P2,... per position given the one "
                    "before (greedy requests only; empty: off). See services/target/synthetic.py")
@@ -168,6 +171,7 @@ def commands(a) -> list[tuple[str, list[str], str]]:
            if path for x in (flag, path)]
     common += tls + (["--enforce-eager"] if a.enforce_eager else [])
     common += ["--no-prefix-cache"] if a.no_prefix_cache else []
+    common += ["--lane-spin-ms", str(a.lane_spin_ms)] if a.lane_spin_ms >= 0 else []
     sp = ["--sequence-parallel"] if a.sequence_parallel else []
     cmds = [("target", py + ["target", "--device", t_dev, "--grpc-port", str(a.target_port), "--tp", str(a.tp),
                              "--ep", str(a.ep), "--dist-addr", f"127.0.0.1:{a.dist_port}"] + sp + common

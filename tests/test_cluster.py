@@ -228,6 +228,20 @@ def test_generate_stream_gloo_and_inline(gw, tokenizer, ref_model):
             check_stats(last, req.num_speculative_tokens, where)
 
 
+def test_round_calls_go_on_the_services_local_lanes(cluster, gw, ref_model):
+    """Gateways on the services' host (and network namespace) send each round's Verify and Propose on the services'
+    local lanes (gateway/local_lane.py, services/lane.py), not gRPC: what every output of this module went through."""
+    prompt = [7, 8, 9, 10]
+    for stub in gw:
+        assert list(run_unary([(stub, request(prompt, 10, K, ignore_eos=True))])[0].token_ids) == reference(
+            ref_model, prompt, 10)
+    for g in cluster.gateways:
+        log = (cluster.log_dir / f"{g.name}.log").read_text(errors="replace")
+        assert "target VerifyStream: round calls on the local lane tandem-verify-" in log, g.name
+        assert "draft ProposeStream: round calls on the local lane tandem-propose-" in log, g.name
+        assert "the gRPC stream is used" not in log, g.name
+
+
 # --- finish reasons ----------------------------------------------------------------------------
 def _clean_piece(tokenizer, t: int) -> str | None:
     s = tokenizer.decode([t])

@@ -107,6 +107,9 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
     def ProposeStream(self, requests, context):
         return self._stream("tandem.v1.DraftService/Propose", self.Propose, requests, context)
 
+    def lane(self):
+        return "tandem.v1.DraftService/Propose", draft_pb2.ProposeRequest, self.Propose
+
     def running(self) -> int:
         return len(self.engine.committed)
 

@@ -150,6 +150,9 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
     def VerifyStream(self, requests, context):
         return self._stream("tandem.v1.TargetService/Verify", self.Verify, requests, context)
 
+    def lane(self):
+        return "tandem.v1.TargetService/Verify", target_pb2.VerifyRequest, self.Verify
+
     def RecomputeRows(self, request, context):
         def run():
             items = [(it.request_id, list(it.token_ids)) for it in request.items]
