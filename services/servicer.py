@@ -54,6 +54,7 @@ STREAM_THREADS = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="
 class ServicerBase:
     """Release and GetInfo, answered alike by the target and the draft. A subclass sets cfg, group,
     engine and lock, and says how many requests it is running."""
+    lane_server: LaneServer | None = None     # its local lane, once open_lane ran
 
     def running(self) -> int:
         raise NotImplementedError
@@ -89,6 +90,5 @@ class ServicerBase:
     def GetInfo(self, request, context):
         if self.group.broken:                 # exiting to be restarted: not back for a gateway's check
             grpc_server.abort(context, "UNAVAILABLE", self.group.broken)
-        lane = getattr(self, "lane_server", None)
         return service_info(self.cfg, self.engine, self.running(), getattr(self, "channel", None),
-                            lane.name if lane is not None else "")
+                            self.lane_server.name if self.lane_server is not None else "")
