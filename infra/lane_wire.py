@@ -21,6 +21,7 @@ import struct
 
 HEADER = struct.Struct("<IB")       # payload bytes, kind
 HELLO, REQUEST, RESPONSE, ERROR = 1, 2, 3, 4
+RDHUP = getattr(select, "POLLRDHUP", 0)    # Linux: the peer shut its side (elsewhere POLLHUP alone tells)
 
 
 def frame(kind: int, payload: bytes = b"") -> bytes:
@@ -45,5 +46,5 @@ def address(name: str) -> str:
 def peer_closed(sock: socket.socket) -> bool:
     """True once the other end closed its side (data it sent before may still be unread)."""
     p = select.poll()
-    p.register(sock, select.POLLRDHUP)
-    return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in p.poll(0))
+    p.register(sock, RDHUP)
+    return any(ev & (RDHUP | select.POLLHUP | select.POLLERR) for _, ev in p.poll(0))

@@ -2,6 +2,7 @@
 the hello their bridge exchanges."""
 from __future__ import annotations
 
+import logging
 import time
 from concurrent import futures
 
@@ -13,6 +14,8 @@ from services.lane import LaneServer
 from services.config import ServiceConfig
 from services.identity import model_identity
 from tandem.v1 import common_pb2
+
+log = logging.getLogger("tandem.servicer")
 
 
 def service_info(cfg: ServiceConfig, engine, running: int, channel=None, lane: str = ""):
@@ -81,10 +84,14 @@ class ServicerBase:
         """The round call a local lane serves (services/lane.py): (method, request class, unary handler)."""
         raise NotImplementedError
 
-    def open_lane(self, spin_s: float, max_bytes: int) -> LaneServer:
+    def open_lane(self, spin_s: float, max_bytes: int) -> LaneServer | None:
+        """Serve the round call on a local lane too (None: this host has no abstract Unix sockets: gRPC only)."""
         method, request_cls, one = self.lane()
-        self.lane_server = LaneServer(method, request_cls, lambda req, ctx, received: answer(
-            method, one, req, ctx, received), spin_s, max_bytes)
+        try:
+            self.lane_server = LaneServer(method, request_cls, lambda req, ctx, received: answer(
+                method, one, req, ctx, received), spin_s, max_bytes)
+        except OSError as e:
+            log.warning("no local lane for %s (%s): round calls come over gRPC", method, e)
         return self.lane_server
 
     def GetInfo(self, request, context):

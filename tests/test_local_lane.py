@@ -172,3 +172,25 @@ def test_a_request_whose_caller_left_is_not_run():
     time.sleep(0.01)
     assert not ctx.is_active()
     b.close()
+
+
+def test_a_host_without_abstract_sockets_serves_grpc_only(monkeypatch):
+    """open_lane: a LaneServer that cannot bind (no abstract Unix sockets: not Linux) leaves the service without a
+    lane (GetInfo announces none, the gateway uses the gRPC stream); where it binds, its name is announced."""
+    import services.servicer as servicer_mod
+
+    class S(servicer_mod.ServicerBase):
+        def lane(self):
+            return "tandem.v1.TargetService/Verify", target_pb2.VerifyRequest, lambda r, c: None
+
+    ok = S().open_lane(0.0, 1 << 20)
+    try:
+        assert ok is not None and ok.name.startswith("tandem-verify-")
+    finally:
+        ok.close()
+
+    def no_bind(*a, **k):
+        raise OSError(97, "Address family not supported by protocol")
+    monkeypatch.setattr(servicer_mod, "LaneServer", no_bind)
+    s = S()
+    assert s.open_lane(0.0, 1 << 20) is None and s.lane_server is None
