@@ -28,6 +28,13 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
+def carry_trace(request) -> None:
+    """Trace context travels in the message (a stream's or a socket's metadata is sent once)."""
+    if tracing.enabled():
+        request.trace_context.clear()
+        request.trace_context.update(tracing.inject_metadata())
+
+
 class Lane:
     """`await lane(request, timeout=s)` -> the response, over one reused stream of `open_stream()`."""
 
@@ -51,9 +58,7 @@ class Lane:
         await self._lock.acquire()
         call = None
         try:
-            if tracing.enabled():
-                request.trace_context.clear()
-                request.trace_context.update(tracing.inject_metadata())
+            carry_trace(request)
             call, self.call = self.call, None
             if call is None or call.done():
                 call = self.open_stream()

@@ -18,9 +18,8 @@ import time
 
 import grpc
 
-from gateway.lanes import Lane, rpc_error
+from gateway.lanes import Lane, carry_trace, rpc_error
 from infra import lane_wire as wire
-from infra import tracing
 from tandem.v1 import common_pb2
 
 log = logging.getLogger("tandem.gateway")
@@ -47,9 +46,7 @@ class LocalLane(Lane):
             if self.sock is None:
                 self._lock.release()
                 return await super().begin(request, timeout=timeout)
-            if tracing.enabled():
-                request.trace_context.clear()
-                request.trace_context.update(tracing.inject_metadata())
+            carry_trace(request)
             data = wire.frame(wire.REQUEST, request.SerializeToString())
             self.written_at = time.perf_counter()     # before the send: the service may have it before it returns
             await asyncio.get_running_loop().sock_sendall(self.sock, data)

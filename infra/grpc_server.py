@@ -81,8 +81,7 @@ class InternalErrors(grpc.ServerInterceptor):
                 log.debug("%s: the client went away (%s)", method, type(e).__name__)
                 return
             log.exception("%s failed", method)
-            context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error in the service "
-                                                    f"({type(e).__name__}: {e})"[:2000])
+            context.abort(grpc.StatusCode.INTERNAL, internal_details(method, e))
 
         def wrap(inner, streaming: bool):
             if inner is None:
@@ -107,6 +106,11 @@ class InternalErrors(grpc.ServerInterceptor):
                                 unary_stream=wrap(handler.unary_stream, True),
                                 stream_unary=wrap(handler.stream_unary, False),
                                 stream_stream=wrap(handler.stream_stream, True))
+
+
+def internal_details(method: str, e: Exception) -> str:
+    """An unexpected exception's INTERNAL details, the same on a gRPC call and a local lane (services/lane.py)."""
+    return f"{method}: internal error in the service ({type(e).__name__}: {e})"[:2000]
 
 
 def abort(context, code: str, message: str):

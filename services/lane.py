@@ -17,6 +17,7 @@ import threading
 import time
 
 from infra import lane_wire as wire
+from infra.grpc_server import internal_details
 
 log = logging.getLogger("tandem.lane")
 
@@ -58,7 +59,7 @@ def recv_exact(conn: socket.socket, n: int, spin_until: float) -> bytes | None:
             k = conn.recv_into(view[got:], n - got, socket.MSG_DONTWAIT if time.perf_counter() < spin_until else 0)
         except BlockingIOError:
             continue
-        except (ConnectionResetError, OSError):
+        except OSError:                      # reset by the peer
             return None
         if k == 0:
             return None
@@ -146,8 +147,7 @@ class LaneServer:
             return wire.frame(wire.ERROR, wire.error_payload(e.code.name, e.details))
         except Exception as e:               # as infra/grpc_server.InternalErrors: INTERNAL, named, logged
             log.exception("%s failed", self.method)
-            return wire.frame(wire.ERROR, wire.error_payload(
-                "INTERNAL", f"{self.method}: internal error in the service ({type(e).__name__}: {e})"[:2000]))
+            return wire.frame(wire.ERROR, wire.error_payload("INTERNAL", internal_details(self.method, e)))
 
     def close(self) -> None:
         self.closed = True

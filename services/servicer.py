@@ -70,10 +70,11 @@ class ServicerBase:
         except ServiceError as e:             # the rank group broke: UNAVAILABLE, not a traceback
             grpc_server.abort(context, e.code, str(e))
 
-    def _stream(self, method: str, one, requests, context):
-        """ProposeStream / VerifyStream: each message answered by `one` (the unary handler) in order; a
-        failure aborts the stream with that call's status. A message that arrives after the caller gave
+    def _stream(self, requests, context):
+        """ProposeStream / VerifyStream: each message answered by the round call's unary handler (`lane()`) in
+        order; a failure aborts the stream with that call's status. A message that arrives after the caller gave
         up (the stream cancelled) is not run."""
+        method, _, one = self.lane()
         for request in requests:
             received = time.perf_counter()          # CLOCK_MONOTONIC on Linux: one clock for the host
             if not context.is_active():
@@ -81,7 +82,8 @@ class ServicerBase:
             yield answer(method, one, request, context, received)
 
     def lane(self) -> tuple[str, type, object]:
-        """The round call a local lane serves (services/lane.py): (method, request class, unary handler)."""
+        """The round call, which the stream and the local lane (services/lane.py) serve: (method, request class,
+        unary handler)."""
         raise NotImplementedError
 
     def open_lane(self, spin_s: float, max_bytes: int) -> LaneServer | None:

@@ -31,8 +31,11 @@ class Target(target_pb2_grpc.TargetServiceServicer):
 
 
 class StreamingTarget(Target):
+    def lane(self):
+        return "tandem.v1.TargetService/Verify", target_pb2.VerifyRequest, self.Verify
+
     def VerifyStream(self, requests, context):
-        return ServicerBase._stream(self, "tandem.v1.TargetService/Verify", self.Verify, requests, context)
+        return ServicerBase._stream(self, requests, context)
 
 
 StreamingTarget.VerifyStream.experimental_thread_pool = STREAM_THREADS

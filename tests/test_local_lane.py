@@ -37,12 +37,11 @@ class Served(StreamingTarget):
 def serve(port_q, lane_name, spin_s):
     """The child: a gRPC server with VerifyStream and GetInfo, and the lane server, until killed."""
     from concurrent import futures
-    from services.servicer import answer
+    from services.servicer import ServicerBase
     from tandem.v1 import target_pb2_grpc
     t = Served()
     t.lane_name = lane_name
-    t.lane_server = LaneServer("tandem.v1.TargetService/Verify", target_pb2.VerifyRequest,
-                               lambda r, c, at: answer("tandem.v1.TargetService/Verify", t.Verify, r, c, at), spin_s)
+    ServicerBase.open_lane(t, spin_s, 1 << 20)          # as a service opens it (services/launch.py)
     server = grpc.server(futures.ThreadPoolExecutor(4))
     target_pb2_grpc.add_TargetServiceServicer_to_server(t, server)
     port_q.put(server.add_insecure_port("127.0.0.1:0"))
@@ -162,8 +161,9 @@ def test_a_lane_serving_another_method_is_refused_at_hello():
     assert "tandem.v1.DraftService/Propose" in details and "tandem.v1.TargetService/Verify" in details
 
 
-def test_a_request_whose_caller_left_is_not_run():
-    """LaneContext.is_active: false once the gateway's end is closed, even with its request still unread."""
+def test_a_context_is_inactive_once_its_caller_closed():
+    """LaneContext.is_active (a request read after it is false is not run): false once the gateway's end is
+    closed, even with its request still unread."""
     a, b = socket.socketpair()
     ctx = LaneContext(b)
     assert ctx.is_active()

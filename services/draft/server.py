@@ -105,7 +105,7 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
                 transfer_seconds=transfer_s, compute_seconds=done - t0 - transfer_s, handler_seconds=done - t0))
 
     def ProposeStream(self, requests, context):
-        return self._stream("tandem.v1.DraftService/Propose", self.Propose, requests, context)
+        return self._stream(requests, context)
 
     def lane(self):
         return "tandem.v1.DraftService/Propose", draft_pb2.ProposeRequest, self.Propose

@@ -148,7 +148,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
         return self._guard(context, run)
 
     def VerifyStream(self, requests, context):
-        return self._stream("tandem.v1.TargetService/Verify", self.Verify, requests, context)
+        return self._stream(requests, context)
 
     def lane(self):
         return "tandem.v1.TargetService/Verify", target_pb2.VerifyRequest, self.Verify
