@@ -8,9 +8,13 @@ Routed experts run on one of three paths (kernels.dispatch.use_triton, TANDEM_KE
 Triton MoE (kernels/triton_moe.py; CUDA, or the interpreter in tests), which reads this rank's experts
 stacked as w13 [E_local, 2I, D] / w2 [E_local, D, I] and never syncs with the host; on CPU the
 reference loop over the experts that received tokens; on CUDA without Triton a dense loop over every
-local expert (slow, but with no host sync either). The router computes in fp32, autocast or not.
+local expert (slow, but with no host sync either). The router computes in fp32, autocast or not. The fused
+kernels read this rank's shared experts in place as more experts that every token takes (`shared_for_kernels`):
+no launches of their own.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +25,8 @@ from kernels.router import RouteSpec
 from models.config import ModelConfig
 from models.layers import dense_linear, fused, gemm_rows, linear, linear_weight, shard_param
 from models.parallel import ParallelState, SINGLE, all_reduce
+
+SHARED_IN_MOE = os.environ.get("TANDEM_SHARED_IN_MOE", "1") != "0"   # 0: shared experts by their own GEMMs
 
 
 class MLP(nn.Module):
@@ -119,25 +125,44 @@ class MoE(nn.Module):
         # x: [..., D] (identical on every TP rank) -> [..., D]
         shape, x = x.shape, x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(x)                               # [N, k]
-        shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
-        y = self.routed(x, weights, ids, shared)                  # routed + shared
+        y = self.routed(x, weights, ids)                          # routed + shared
         if self.reduce:                                           # EP combine + TP reduce, one call
             y = all_reduce(y, self.ps.tp_group, self.ps.tp_size)
         return y.view(shape)
 
-    def routed(self, x, weights, ids, shared=None) -> torch.Tensor:
-        # x: [N, D], weights: [N, k] fp32, ids: [N, k] global expert ids, shared: [N, D] | None -> [N, D]: this
-        # rank's experts (+ shared; the fused kernels add it in their last launch)
+    def routed(self, x, weights, ids) -> torch.Tensor:
+        # x: [N, D], weights: [N, k] fp32, ids: [N, k] global expert ids -> [N, D]: this rank's experts and its
+        # share of the shared experts (read by the fused kernels in place, or added in their last launch)
         path = dispatch.moe_path(x)
-        if path == "triton" and self.fp8:
-            from kernels.triton_fp8_moe import fused_moe_fp8_triton
-            return fused_moe_fp8_triton(x, *self.prepare_for_kernels(), weights, ids, self.local.start, add=shared)
+        shared = getattr(self, "shared_experts", None)
         if path == "triton":
+            inside = self.shared_for_kernels()
+            add = shared(x) if shared is not None and inside is None else None
+            if self.fp8:
+                from kernels.triton_fp8_moe import fused_moe_fp8_triton
+                return fused_moe_fp8_triton(x, *self.prepare_for_kernels(), weights, ids, self.local.start, add=add,
+                                            shared=inside)
             from kernels.triton_moe import fused_moe_triton
             w13, w2 = self.prepare_for_kernels()
-            return fused_moe_triton(x, w13, w2, weights, ids, self.local.start, add=shared)
+            return fused_moe_triton(x, w13, w2, weights, ids, self.local.start, add=add, shared=inside)
         y = self._routed_dense(x, weights, ids) if path == "dense" else self._routed_loop(x, weights, ids)
-        return y if shared is None else y + shared
+        return y if shared is None else y + shared(x)
+
+    def shared_for_kernels(self) -> tuple[torch.Tensor, ...] | None:
+        """This rank's shared experts as the fused kernels read them, (sw13 [2S, D] (gate rows, then up: a view,
+        models/layers.fused), sw2 [D, S]), fp8 with their block scales (sw13, ss13, sw2, ss2); None where their
+        intermediate rows here (S) are not whole routed experts' (I: n_shared_experts / ep not whole), fp8 blocks do
+        not align, under autograd, or with TANDEM_SHARED_IN_MOE=0."""
+        m = getattr(self, "shared_experts", None)
+        if m is None or not SHARED_IN_MOE:
+            return None
+        I, S = self.experts[str(self.local.start)].gate_proj.weight.shape[0], m.gate_proj.weight.shape[0]
+        gate_up = fused(m.gate_proj, m.up_proj) if S % I == 0 else None
+        if gate_up is None or self.fp8 and I % 128:
+            return None
+        if self.fp8:
+            return gate_up.weight, gate_up.weight_scale_inv, m.down_proj.weight, m.down_proj.weight_scale_inv
+        return gate_up.weight, m.down_proj.weight
 
     def _routed_loop(self, x, weights, ids) -> torch.Tensor:
         k = ids.shape[1]

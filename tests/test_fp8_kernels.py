@@ -254,8 +254,9 @@ from triton.compiler import ASTSource
 from kernels import triton_fp8 as tf, triton_fp8_config as fc, triton_fp8_moe as tfm
 I32 = dict(pair_ptr="*i32", blk_ptr="*i32")
 MOE = dict(BLOCK_M=16, BLOCK_K=128, PRECISION="tf32")
-GATE_UP = dict(x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", hs_ptr="*fp32", **I32)
-DOWN = dict(hq_ptr="*fp8e4nv", hs_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", rw_ptr="*fp32", **I32)
+W = dict(w_ptr="*fp8e4nv", s_ptr="*fp32", sw_ptr="*fp8e4nv", ss_ptr="*fp32")
+GATE_UP = dict(x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32", hs_ptr="*fp32", **W, **I32)
+DOWN = dict(hq_ptr="*fp8e4nv", hs_ptr="*fp32", rw_ptr="*fp32", **W, **I32)
 ALIGNED = ("N", "K", "s_xm", "s_wn", "s_om")   # what the JIT sees divisible by 16 at DeepSeek's shapes
 
 

@@ -1,6 +1,7 @@
 """The launches a decoder layer saves (issue 14): the MLA's cache writes with their norm and rotaries, the residual
 add inside the norm after it, SwiGLU's gate and up as
-one GEMM and one silu-times-up launch, the shared experts added in the fused MoE's last launch, and norm / SwiGLU
+one GEMM and one silu-times-up launch, the shared experts read in place by the fused MoE as more experts (or added
+in its last launch where they cannot be), and norm / SwiGLU
 outputs that are the first rows of a LINEAR_ROWS-row buffer, so dense_linear takes them without a copy.
 
 Each fused form against the unfused one: exactly in fp32 (interp and cuda) and in bf16 on CUDA (the same rounding
@@ -19,7 +20,8 @@ from models.layers import LINEAR_ROWS, dense_linear  # noqa: E402
 from models.loader import build, save_checkpoint  # noqa: E402
 from models.model import TargetModel  # noqa: E402
 from models.layers import stacked  # noqa: E402
-from models.moe import MLP  # noqa: E402
+from models import moe as moe_mod  # noqa: E402
+from models.moe import MLP, MoE  # noqa: E402
 from models.tiny import TINY_CONFIG, init_random_  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -109,6 +111,38 @@ def test_fused_moe_adds_the_shared_experts_in_its_last_launch(dev, dtype, launch
     assert dev == "cuda" or launches["_sum_pairs_kernel"] == 1 and sum(launches.values()) == 4   # no add launch
     assert torch.equal(fused_moe_triton(x[:0], w13, w2, weights[:0], ids[:0], 0, add=shared[:0]).cpu(),
                        shared[:0].cpu())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_moe_layer_reads_its_shared_experts_in_place(dev, fp8, monkeypatch, launches):
+    """A MoE layer on the fused kernels: its shared experts (two routed experts' size here) read as experts inside the
+    routed launches equal the same layer with them computed by their own GEMMs and added (TANDEM_SHARED_IN_MOE=0),
+    and no GEMM or SwiGLU launch of theirs remains (the kernels' own test covers a rank holding part of the routed
+    experts: tests/test_moe_kernels.py)."""
+    monkeypatch.setenv("TANDEM_KERNELS", "triton")
+    cfg = ModelConfig.from_dict({**TINY_CONFIG, "hidden_size": 128, "moe_intermediate_size": 128,
+                                 "n_shared_experts": 2, **({"quantization": "fp8"} if fp8 else {})})
+    dt = torch.float32 if dev == "cpu" else torch.bfloat16
+    layer = init_random_(MoE(cfg), 0, 0.05).to(dt).to(dev)
+    if fp8:                                                                    # fp8 weights as a checkpoint has them
+        from kernels import fp8 as f8
+        for m in layer.modules():
+            if hasattr(m, "weight_scale_inv"):
+                q, s = f8.quantize_weight(m.weight.data.float())
+                m.weight.data, m.weight_scale_inv.data = q.to(dev), s.to(dev)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1)).to(dt).to(dev)
+    with torch.no_grad():
+        assert layer.shared_for_kernels() is not None
+        inside = layer(x)
+        counted = dict(launches)
+        monkeypatch.setattr(moe_mod, "SHARED_IN_MOE", False)
+        assert layer.shared_for_kernels() is None
+        launches.clear()
+        added = layer(x)
+    assert rel(inside, added) <= (1e-5 if dev == "cpu" else 3e-2 if fp8 else 1e-2)
+    if dev == "cpu":
+        assert "_silu_mul_kernel" not in counted and launches["_silu_mul_kernel"] == 1
+        assert counted["_sum_pairs_kernel"] == 1
 
 
 def test_stacked_gate_up_is_a_view_and_takes_loads():
