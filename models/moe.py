@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import dispatch
+from kernels import dispatch, moe_tiles
 from kernels.router import RouteSpec
 from models.config import ModelConfig
 from models.layers import dense_linear, fused, gemm_rows, linear, linear_weight, shard_param
@@ -136,7 +136,7 @@ class MoE(nn.Module):
         path = dispatch.moe_path(x)
         shared = getattr(self, "shared_experts", None)
         if path == "triton":
-            inside = self.shared_for_kernels()
+            inside = self.shared_for_kernels(x.shape[0])
             add = shared(x) if shared is not None and inside is None else None
             if self.fp8:
                 from kernels.triton_fp8_moe import fused_moe_fp8_triton
@@ -148,16 +148,21 @@ class MoE(nn.Module):
         y = self._routed_dense(x, weights, ids) if path == "dense" else self._routed_loop(x, weights, ids)
         return y if shared is None else y + shared(x)
 
-    def shared_for_kernels(self) -> tuple[torch.Tensor, ...] | None:
-        """This rank's shared experts as the fused kernels read them, (sw13 [2S, D] (gate rows, then up: a view,
-        models/layers.fused), sw2 [D, S]), fp8 with their block scales (sw13, ss13, sw2, ss2); None where their
-        intermediate rows here (S) are not whole routed experts' (I: n_shared_experts / ep not whole), fp8 blocks do
-        not align, under autograd, or with TANDEM_SHARED_IN_MOE=0."""
+    def shared_for_kernels(self, tokens: int) -> tuple[torch.Tensor, ...] | None:
+        """This rank's shared experts as the fused kernels read them in a call of `tokens` tokens, (sw13 [2S, D]
+        (gate rows, then up: a view, models/layers.fused), sw2 [D, S]), fp8 with their block scales (sw13, ss13, sw2,
+        ss2); None (added after the kernels instead) where their intermediate rows here (S) are not whole routed
+        experts' (I: n_shared_experts / ep not whole), fp8 blocks do not align, under autograd, with
+        TANDEM_SHARED_IN_MOE=0, or where the call groups pairs in 64-row blocks (prefill sizes: there cuBLAS runs
+        the shared experts' large GEMMs, and those rows differ from decode rows in any case, kernels/moe_tiles.py)."""
         m = getattr(self, "shared_experts", None)
         if m is None or not SHARED_IN_MOE:
             return None
         I, S = self.experts[str(self.local.start)].gate_proj.weight.shape[0], m.gate_proj.weight.shape[0]
-        gate_up = fused(m.gate_proj, m.up_proj) if S % I == 0 else None
+        chunks, k = S // I, self.gate.spec.top_k
+        if S % I or moe_tiles.block_m(tokens, tokens * (k + chunks), len(self.local) + chunks) != 16:
+            return None
+        gate_up = fused(m.gate_proj, m.up_proj)
         if gate_up is None or self.fp8 and I % 128:
             return None
         if self.fp8:
