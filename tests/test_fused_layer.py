@@ -20,7 +20,6 @@ from models.layers import LINEAR_ROWS, dense_linear  # noqa: E402
 from models.loader import build, save_checkpoint  # noqa: E402
 from models.model import TargetModel  # noqa: E402
 from models.layers import stacked  # noqa: E402
-from models import moe as moe_mod  # noqa: E402
 from models.moe import MLP, MoE  # noqa: E402
 from models.tiny import TINY_CONFIG, init_random_  # noqa: E402
 
@@ -135,7 +134,7 @@ def test_moe_layer_reads_its_shared_experts_in_place(dev, fp8, monkeypatch, laun
         assert layer.shared_for_kernels(5) is not None and layer.shared_for_kernels(4096) is None   # prefill: cuBLAS
         inside = layer(x)
         counted = dict(launches)
-        monkeypatch.setattr(moe_mod, "SHARED_IN_MOE", False)
+        monkeypatch.setenv("TANDEM_SHARED_IN_MOE", "0")
         assert layer.shared_for_kernels(5) is None
         launches.clear()
         added = layer(x)
