@@ -38,8 +38,9 @@ from kernels.speculative import argmax_rows, sampling_probs  # noqa: F401  (no T
 
 __all__ = ["sampling_probs", "rms_norm", "silu_mul", "rotary", "write_latent", "route", "greedy_verify",
            "rejection_sample", "pad_rows", "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla",
-           "paged_attention", "moe_path", "shared_in_moe", "chain_verifier", "prefill_form", "prefill_attention", "expanded_attention",
-           "fp8_linear", "attention_backend", "use_triton", "use_triton_forced", "triton_available", "mode"]
+           "paged_attention", "moe_path", "shared_in_moe", "chain_verifier", "prefill_form", "prefill_attention",
+           "expanded_attention", "fp8_linear", "attention_backend", "use_triton", "use_triton_forced",
+           "triton_available", "mode"]
 
 log = logging.getLogger("tandem.kernels")
 ENV = "TANDEM_KERNELS"

@@ -60,6 +60,23 @@ def test_synthetic_acceptance_follows_its_profile(p, k):
         assert (emitted[b, a + 1:] == -1).all()
 
 
+def test_synthetic_acceptance_with_mixed_draft_counts_takes_each_requests_own_draws():
+    """Requests of one Verify with 0..K drafts (adaptive K): request b's acceptance is decided by the first k_b draws
+    of its own generator alone (a seeded request accepts alike in any batch), never past its k_b drafts."""
+    n, K, p = 300, 4, (0.9, 0.6)
+    g = torch.Generator().manual_seed(0)
+    target, drafts = torch.randint(100, 200, (n, K + 1), generator=g), torch.randint(0, 100, (n, K), generator=g)
+    k = torch.randint(0, K + 1, (n,), generator=g)
+    accepted, emitted = synthetic_accept(target, drafts, k, p, [torch.Generator().manual_seed(i) for i in range(n)])
+    for b in range(n):
+        u = torch.rand(int(k[b]), generator=torch.Generator().manual_seed(b)).tolist()
+        a = next((i for i, x in enumerate(u) if x >= p[min(i, len(p) - 1)]), int(k[b]))
+        assert int(accepted[b]) == a <= int(k[b])
+        assert emitted[b].tolist() == drafts[b, :a].tolist() + [int(target[b, a])] + [-1] * (K - a)
+    alone = synthetic_accept(target[7:8], drafts[7:8], k[7:8], p, [torch.Generator().manual_seed(7)])
+    assert int(alone[0][0]) == int(accepted[7]) and torch.equal(alone[1][0], emitted[7])
+
+
 def test_synthetic_acceptance_in_the_engine_rolls_back_like_a_rejection():
     te, de = make_engines(TINY, synthetic_acceptance=(0.8,))
     prompts = [[(7 * i + j) % 500 for j in range(12)] for i in range(4)]

@@ -172,8 +172,12 @@ class TargetEngine:
         k, starts, valid, drafts, k_dev, idx = _round_inputs([d for _, d, _ in items], dev)
         hidden = self._forward(seqs)                                            # [N, D], N = sum(k + 1)
         logits = self.model.compute_logits(hidden)                               # [N, V]
+        synthetic = []                                                          # BENCHMARK ONLY: its inputs
         if all(r.sampling.greedy for r in reqs):
-            accepted, emitted = greedy_verify(argmax_rows(logits)[idx], drafts, k_dev)     # [B, K+1]
+            target = argmax_rows(logits)[idx]                                     # [B, K+1]
+            accepted, emitted = greedy_verify(target, drafts, k_dev)             # [B, K+1]
+            if self.synthetic_acceptance is not None:
+                synthetic = [target, drafts]
         else:
             p = self._probs(logits, [r.sampling for (_, d, _), r in zip(items, reqs) for _ in range(len(d) + 1)])
             p = p[idx] * valid.to(dev)[..., None]                                    # [B, K+1, V]
@@ -189,11 +193,12 @@ class TargetEngine:
                 accepted, emitted = flashinfer_sampling.chain_verify(p, q, drafts)   # TANDEM_VERIFIER=flashinfer
             else:
                 accepted, emitted = rejection_sample(p, q, drafts, k_dev, *self._noise(reqs, K, dev))
-        both = torch.cat([accepted.view(B, 1).to(emitted.dtype), emitted], 1).cpu()     # the one device-to-host copy
-        accepted, emitted = both[:, 0].to(accepted.dtype), both[:, 1:]
-        if self.synthetic_acceptance is not None:          # BENCHMARK ONLY: after the real forward and check
-            accepted, emitted = synthetic_accept(argmax_rows(logits)[idx], drafts, k, self.synthetic_acceptance,
-                                                 [r.generator for r in reqs])
+        both = torch.cat([accepted.view(B, 1).to(emitted.dtype), emitted, *(t.to(emitted.dtype) for t in synthetic)],
+                         1).cpu()                                               # the one device-to-host copy
+        accepted, emitted = both[:, 0].to(accepted.dtype), both[:, 1:K + 2]
+        if synthetic:                                      # BENCHMARK ONLY: after the real forward and check
+            accepted, emitted = synthetic_accept(both[:, K + 2:2 * K + 3], both[:, 2 * K + 3:], k,
+                                                 self.synthetic_acceptance, [r.generator for r in reqs])
         accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides
         out_tokens, keep_rows = [], []
         for b, ((rid, d, _), r) in enumerate(zip(items, reqs)):

@@ -35,21 +35,23 @@ def synthetic_accept(target_ids: torch.Tensor, drafts: torch.Tensor, k: torch.Te
                      generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """target_ids [B, K+1]: the target's greedy token at each verified position; drafts [B, K];
     k [B]: drafts per request -> accepted [B], emitted [B, K+1] (accepted drafts, then the target's
-    token at the first rejected position; -1 beyond), all on the CPU."""
+    token at the first rejected position; -1 beyond), all on the CPU. One draw a draft position from each
+    request's generator; the rest is whole-batch tensor work (a batch-32 Verify spent ~1 ms in a loop here)."""
     target_ids, drafts = target_ids.cpu(), drafts.cpu()
     B, K1 = target_ids.shape
-    accepted = torch.zeros(B, dtype=torch.long)
-    emitted = torch.full((B, K1), -1, dtype=torch.long)
+    p = torch.tensor([profile[min(i, len(profile) - 1)] for i in range(K1 - 1)])   # [K]
+    u = torch.ones(B, K1 - 1)                                       # past a request's drafts: rejected (p <= 1)
     for b, g in enumerate(generators):
         kb = int(k[b])
-        u = torch.rand(kb, generator=g)                              # one draw per draft position
-        p = torch.tensor([profile[min(i, len(profile) - 1)] for i in range(kb)])
-        rejected = (u >= p).nonzero()
-        a = int(rejected[0]) if rejected.numel() else kb
-        accepted[b] = a
-        emitted[b, :a] = drafts[b, :a]
-        emitted[b, a] = target_ids[b, a]
-    return accepted, emitted
+        if kb:
+            u[b, :kb] = torch.rand(kb, generator=g)
+    rejected = torch.cat([u >= p, torch.ones(B, 1, dtype=torch.bool)], 1)           # [B, K+1]
+    accepted = rejected.to(torch.int8).argmax(1)                                   # first rejected position
+    pos = torch.arange(K1)[None, :]
+    a = accepted[:, None]
+    own = torch.cat([drafts, torch.full((B, 1), -1, dtype=drafts.dtype)], 1)      # [B, K+1]
+    emitted = torch.where(pos < a, own, torch.where(pos == a, target_ids, -1)).long()
+    return accepted.long(), emitted
 
 
 def expected_acceptance_length(profile: tuple[float, ...], k: int) -> float:
