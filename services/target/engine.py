@@ -176,7 +176,7 @@ class TargetEngine:
         if all(r.sampling.greedy for r in reqs):
             target = argmax_rows(logits)[idx]                                     # [B, K+1]
             accepted, emitted = greedy_verify(target, drafts, k_dev)             # [B, K+1]
-            if self.synthetic_acceptance is not None:
+            if self.synthetic_acceptance is not None and K:                       # K = 0: nothing to accept
                 synthetic = [target, drafts]
         else:
             p = self._probs(logits, [r.sampling for (_, d, _), r in zip(items, reqs) for _ in range(len(d) + 1)])
@@ -200,22 +200,21 @@ class TargetEngine:
             accepted, emitted = synthetic_accept(both[:, K + 2:2 * K + 3], both[:, 2 * K + 3:], k,
                                                  self.synthetic_acceptance, [r.generator for r in reqs])
         accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides
-        out_tokens, keep_rows = [], []
-        for b, ((rid, d, _), r) in enumerate(zip(items, reqs)):
-            a = int(accepted[b])
-            toks = emitted[b, : a + 1].tolist()
+        out_tokens, keep_rows, accepted = [], [], accepted.tolist()                # host lists: no per-item indexing
+        for (rid, d, _), r, a, em, s0 in zip(items, reqs, accepted, emitted.tolist(), starts.tolist()):
+            toks = em[: a + 1]
             self.cache.rollback(rid, len(d) - a)                                 # drop rejected positions
             r.pending_token, r.num_tokens = toks[-1], r.num_tokens + a + 1
             r.tokens += toks
             self.cache.seal(rid, r.tokens, r.num_tokens - 1)                      # name full committed blocks
             out_tokens.append(toks)
-            keep_rows.append(torch.arange(int(starts[b]), int(starts[b]) + a + 1))
+            keep_rows.append(torch.arange(s0, s0 + a + 1))
         rows = hidden[torch.cat(keep_rows).to(hidden.device)]
         if logprobs is None:
-            return Verified(accepted.tolist(), out_tokens, rows)
+            return Verified(accepted, out_tokens, rows)
         lps = [token_logprobs(logits[keep.to(logits.device)], toks, n) if n is not None else []
                for keep, toks, n in zip(keep_rows, out_tokens, logprobs)]
-        return Verified(accepted.tolist(), out_tokens, rows, lps)
+        return Verified(accepted, out_tokens, rows, lps)
 
     @torch.inference_mode()
     def recompute_rows(self, items: list[tuple[str, list[int]]]) -> torch.Tensor:

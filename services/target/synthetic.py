@@ -41,8 +41,7 @@ def synthetic_accept(target_ids: torch.Tensor, drafts: torch.Tensor, k: torch.Te
     B, K1 = target_ids.shape
     p = torch.tensor([profile[min(i, len(profile) - 1)] for i in range(K1 - 1)])   # [K]
     u = torch.ones(B, K1 - 1)                                       # past a request's drafts: rejected (p <= 1)
-    for b, g in enumerate(generators):
-        kb = int(k[b])
+    for b, (g, kb) in enumerate(zip(generators, k.tolist())):
         if kb:
             u[b, :kb] = torch.rand(kb, generator=g)
     rejected = torch.cat([u >= p, torch.ones(B, 1, dtype=torch.bool)], 1)           # [B, K+1]
