@@ -15,9 +15,6 @@ latent cache (kernels/triton_mla_prefill.py); expanded: keys and values up-proje
 attention (kernels/mla_expanded.py); off: the paged attention, as decode and verify steps. auto is
 PREFILL_AUTO on CUDA wherever the attention backend is not the reference, off elsewhere. Decode, verify and
 CUDA-graph steps (a forced AttentionBatch.attention_backend) never take it.
-
-The fused MoE reads the shared experts in place at decode and verify sizes (`shared_in_moe`);
-TANDEM_SHARED_IN_MOE=0 runs them by their own GEMMs instead (to measure what that saves).
 """
 from __future__ import annotations
 
@@ -38,9 +35,8 @@ from kernels.speculative import argmax_rows, sampling_probs  # noqa: F401  (no T
 
 __all__ = ["sampling_probs", "rms_norm", "silu_mul", "rotary", "write_latent", "route", "greedy_verify",
            "rejection_sample", "pad_rows", "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla",
-           "paged_attention", "moe_path", "shared_in_moe", "chain_verifier", "prefill_form", "prefill_attention",
-           "expanded_attention", "fp8_linear", "attention_backend", "use_triton", "use_triton_forced",
-           "triton_available", "mode"]
+           "paged_attention", "moe_path", "chain_verifier", "prefill_form", "prefill_attention", "expanded_attention",
+           "fp8_linear", "attention_backend", "use_triton", "use_triton_forced", "triton_available", "mode"]
 
 log = logging.getLogger("tandem.kernels")
 ENV = "TANDEM_KERNELS"
@@ -240,19 +236,6 @@ def moe_path(x: torch.Tensor) -> str:
     'dense' (every local expert over every token, weighted: no host sync, graph-safe, CUDA without Triton)
     or 'loop' (tokens grouped per expert on the host: CPU)."""
     return "triton" if use_triton(x) else "dense" if x.is_cuda else "loop"
-
-
-SHARED_ENV = "TANDEM_SHARED_IN_MOE"
-
-
-def shared_in_moe(tokens: int, top_k: int, chunks: int, num_local: int) -> bool:
-    """Whether the fused MoE of a call of `tokens` tokens reads the shared experts in place, as `chunks` more experts
-    every token takes (kernels/triton_moe.py): where its pairs go in 16-row blocks (decode and verify sizes; at
-    prefill sizes cuBLAS runs their large GEMMs better, and those rows differ from decode rows in any case:
-    kernels/moe_tiles.py), unless TANDEM_SHARED_IN_MOE=0."""
-    from kernels import moe_tiles
-    return (chunks > 0 and os.environ.get(SHARED_ENV, "1").strip() != "0"
-            and moe_tiles.block_m(tokens, tokens * (top_k + chunks), num_local + chunks) == 16)
 
 
 def chain_verifier(p: torch.Tensor, num_drafts: torch.Tensor, seeded: bool) -> str:

@@ -12,11 +12,16 @@ measured per expert shape (D, I). Batch path beyond: 16- or 64-row blocks by pai
 bits depend on the block rows (16 and 32: mma.sync, 64: Hopper's wgmma, in fp8) and the down kernel's split, not on
 the column tiles, warps or stages (measured on the H200, BENCHMARKS.md "Lossless at any batch"); every class and
 the batch path's 16-row blocks keep the split at 1, so a decode row equals a verify row at any batch until 64-row
-blocks start (more than 64 pairs an expert on average: prefill).
+blocks start (more than 64 pairs an expert on average: prefill). `shared_inside`: whether a call reads the shared
+experts in place (only with 16-row blocks).
 """
 from __future__ import annotations
 
+import os
+
 Tiles = tuple[int, int, int, int, int]
+
+SHARED_ENV = "TANDEM_SHARED_IN_MOE"     # 0: the shared experts by their own GEMMs (to measure what that saves)
 
 CLASSES = (8, 16, 32)              # last token count of each decode class
 
@@ -81,3 +86,12 @@ def moe_tiles(kind: str, tokens: int, pairs: int, D: int, I: int, rows: int = 16
     """(gate/up tiles, down tiles) of a call of `tokens` tokens routed to `pairs` (token, expert) pairs, in blocks
     of `rows` rows: the decode tiles are measured for 16-row blocks only (some do not compile for 64 rows)."""
     return (rows == 16 and decode_tiles(kind, tokens, D, I)) or batch_tiles(kind, pairs)
+
+
+def shared_inside(tokens: int, top_k: int, chunks: int, num_local: int) -> bool:
+    """Whether the fused MoE of a call of `tokens` tokens reads the shared experts in place, as `chunks` more experts
+    every token takes (kernels/triton_moe.py): where its pairs go in 16-row blocks (decode and verify sizes; at
+    prefill sizes cuBLAS runs their large GEMMs better, and those rows differ from decode rows in any case), unless
+    TANDEM_SHARED_IN_MOE=0 (read at each call)."""
+    return (chunks > 0 and os.environ.get(SHARED_ENV, "1").strip() != "0"
+            and block_m(tokens, tokens * (top_k + chunks), num_local + chunks) == 16)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import dispatch
+from kernels import dispatch, moe_tiles
 from kernels.router import RouteSpec
 from models.config import ModelConfig
 from models.layers import dense_linear, fused, gemm_rows, linear, linear_weight, shard_param
@@ -147,14 +147,14 @@ class MoE(nn.Module):
     def shared_for_kernels(self, tokens: int) -> tuple[torch.Tensor, ...] | None:
         """This rank's shared experts as the fused kernels read them in a call of `tokens` tokens, (sw13 [2S, D]
         (gate rows, then up: a view, models/layers.fused), sw2 [D, S]), fp8 with their block scales (sw13, ss13, sw2,
-        ss2); None (added after the kernels instead) where dispatch.shared_in_moe says not at this size, where their
-        intermediate rows here (S) are not whole routed experts' (I: n_shared_experts / ep not whole), where fp8
-        blocks do not align, or under autograd."""
+        ss2); None (added after the kernels instead) where kernels/moe_tiles.shared_inside says not at this size,
+        where their intermediate rows here (S) are not whole routed experts' (I: n_shared_experts / ep not whole),
+        where fp8 blocks do not align, or under autograd."""
         m = getattr(self, "shared_experts", None)
         if m is None:
             return None
         I, S = self.experts[str(self.local.start)].gate_proj.weight.shape[0], m.gate_proj.weight.shape[0]
-        if S % I or not dispatch.shared_in_moe(tokens, self.gate.spec.top_k, S // I, len(self.local)):
+        if S % I or not moe_tiles.shared_inside(tokens, self.gate.spec.top_k, S // I, len(self.local)):
             return None
         gate_up = fused(m.gate_proj, m.up_proj)
         if gate_up is None or self.fp8 and I % 128:
