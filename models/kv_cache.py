@@ -276,9 +276,9 @@ class PagedKVCache:
         bs, B, N = self.block_size, len(request_ids), sum(query_lens)
         tables = [self._tables[r] for r in request_ids]
         mb = max([len(t) for t in tables] + [1])
-        host_tables = torch.zeros(B, mb, dtype=torch.int32)
-        for b, t in enumerate(tables):
-            host_tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        host_tables = torch.zeros(B, mb, dtype=torch.int32)                        # one tensor from one flat list
+        host_tables[torch.arange(mb)[None, :] < torch.tensor([len(t) for t in tables])[:, None]] = torch.tensor(
+            [x for t in tables for x in t], dtype=torch.int32)
         lens = torch.tensor(query_lens, dtype=torch.long)
         req = torch.repeat_interleave(torch.arange(B), lens)                      # [N]
         qstart = torch.zeros(B + 1, dtype=torch.long)
