@@ -30,7 +30,21 @@ def _generate(args) -> int:
     return 0
 
 
+def _own_kernels() -> None:
+    """Exit naming the clash when `import kernels` finds another package than this repo's kernels/ (Hugging
+    Face's `kernels` distribution, which transformers >= 5.25 requires, has the same import name)."""
+    import importlib.util
+    spec = importlib.util.find_spec("kernels")
+    origin = spec.origin if spec else None
+    if origin is None or Path(origin).resolve().parent != Path(__file__).resolve().parent.parent / "kernels":
+        raise SystemExit(f"tandem: `import kernels` finds {origin}, not Tandem's kernels/ package "
+                         f"({Path(__file__).resolve().parent.parent / 'kernels'}): Hugging Face's `kernels` "
+                         "distribution (required by transformers >= 5.25) has the same import name; serve Tandem "
+                         "from an environment without it (pip uninstall kernels)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _own_kernels()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     level = os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper()   # Tandem's own loggers (DEBUG: the adaptive
     if level in logging.getLevelNamesMapping():                  # policy's choice and outcome a round)

@@ -61,3 +61,15 @@ def test_context_limit_is_the_models_capped_by_the_cache():
     for role in ("target", "draft"):
         i = cmds[role].index("--max-model-len")
         assert cmds[role][i + 1] == "1000", (role, cmds[role])
+
+
+def test_a_foreign_kernels_package_is_named(tmp_path):
+    """Hugging Face's `kernels` distribution has this repo's kernels/ import name: `tandem` exits naming the clash
+    instead of failing later on a missing kernels.dispatch."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    r = subprocess.run([sys.executable, "-c", "import sys; from tandem.cli import main; sys.exit(main(['bench']))"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"})
+    assert r.returncode != 0 and "not Tandem's kernels/ package" in r.stderr, r.stderr
+    assert str(tmp_path / "kernels" / "__init__.py") in r.stderr, r.stderr
