@@ -54,6 +54,7 @@ class GatewayConfig:
     random_config: str = ""                  # target and draft run a random-weight preset: no tokenizer
     service_calls: str = "local"             # a round's Verify / Propose: local lane (else stream), stream, or unary
     overlap_rounds: bool = True              # the next round's Propose goes out before this round commits
+    propose_ahead: bool = True               # ... from the target, named in the Verify (gateway/proposals.py)
     busy_poll: bool = True                   # the loop polls, never sleeps, while a Verify / Propose is out
 
     @property
@@ -111,6 +112,10 @@ def parse(argv) -> GatewayConfig:
     p.add_argument("--no-overlap-rounds", dest="overlap_rounds", action="store_false", help="commit each round "
                    "before the next round's Propose is sent (default: the draft computes the next round's drafts "
                    "while the gateway commits, detokenizes and streams this one's tokens: gateway/proposals.py)")
+    p.add_argument("--no-propose-ahead", dest="propose_ahead", action="store_false", help="with overlapped rounds, "
+                   "send the next round's Propose from the gateway once the Verify has answered (default: where the "
+                   "gateway reaches both services' local lanes, its Verify names the next round's draft work and the "
+                   "target sends that Propose to the draft as soon as it has the tokens and rows: gateway/proposals.py)")
     p.add_argument("--no-busy-poll", dest="busy_poll", action="store_false", help="sleep while a round's "
                    "Verify or Propose is out (default: the event loop keeps polling until the answer is in, one "
                    "CPU busy while calls run: an idle CPU of a VM wakes 0.2-0.4 ms late, gateway/lanes.py)")

@@ -34,6 +34,7 @@ class LocalLane(Lane):
         self.get_info, self.method, self.response_cls = get_info, method, response_cls
         self.sock: socket.socket | None = None
         self.unreachable = ""          # the lane GetInfo named that did not connect
+        self.lane = ""                 # the lane connected to (a draft's: where the target sends Proposes ahead)
         self.local_calls = 0
 
     async def begin(self, request, *, timeout: float | None = None) -> asyncio.Future:
@@ -132,12 +133,13 @@ class LocalLane(Lane):
                      self.name, name, e or type(e).__name__)
             return None
         log.info("%s: round calls on the local lane %s", self.name, name)
+        self.lane = name
         return sock
 
     def _drop(self) -> None:
         if self.sock is not None:
             self.sock.close()
-            self.sock = None
+            self.sock, self.lane = None, ""
 
     def close(self) -> None:
         self._drop()

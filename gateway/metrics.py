@@ -163,7 +163,9 @@ class _Collector:
         for name, doc, v in (
                 ("spec_decode_num_drafts", "Rounds that proposed >= 1 draft token", st.num_drafts),
                 ("spec_decode_num_draft_tokens", "Draft tokens proposed", st.num_draft_tokens),
-                ("spec_decode_num_accepted_tokens", "Draft tokens accepted", st.num_accepted_tokens)):
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted", st.num_accepted_tokens),
+                ("spec_decode_proposals_ahead", "Rounds whose Propose the target sent the draft from the round "
+                 "before's Verify (gateway/proposals.py)", s.ahead_rounds)):
             c = CounterMetricFamily(f"tandem:{name}", doc, labels=["model_name"])
             c.add_metric(lab, v)
             yield c

@@ -1,5 +1,5 @@
 """The draft's Propose of a round, sent when the round starts or, overlapped (issue 14), as soon as the
-previous round's Verify has answered.
+previous round's Verify has answered, or sent by the target itself a round ahead.
 
 Sequential round: plan -> Propose -> Verify -> commit. Overlapped round: the Verify's answer carries each
 request's emitted tokens and the hidden rows the draft needs, so the gateway plans the next round and sends
@@ -9,6 +9,14 @@ max_tokens or the context's end, or hold an EOS, is left out of it (GenRequest.e
 commit finishes otherwise (a stop string: known only once detokenized) was proposed for in vain: its draft Release waits until that Propose has
 answered (a Release must never overtake a Propose that names the request: the draft would fail the call as
 "not running").
+
+A round ahead (issue 14, where the gateway reaches both services' local lanes): the gateway plans the next
+round before this round's Verify, which names that work (`plan_ahead`: who, with which k, from which position);
+the target sends the draft that Propose, with the Verify's tokens and row set, as soon as it has them, and the
+gateway's Propose only collects its answer (`after_verify`). The draft computes while the Verify's answer travels
+and the gateway commits: one hop and the gateway's planning off the round's critical path. A push the target
+could not send (VerifyResponse.ahead_sent false) is sent by the gateway as above; a collect that fails follows
+a Propose's fault rules.
 
 `send` starts the call and returns a Proposal; `collect` awaits it and applies the answer, with the fault
 rules of a Propose (gateway/scheduler.py's docstring): a contract error fails the round's requests, any
@@ -78,6 +86,63 @@ async def send(s: Scheduler, spec: list[GenRequest], feed: list[GenRequest]) -> 
     if begin is None:
         await asyncio.sleep(0)          # a unary call starts on the loop's next turn
     return p
+
+
+@dataclass(eq=False)
+class AheadPlan:
+    """The next round's draft work, planned before this round's Verify (overlapped rounds)."""
+    spec: list[GenRequest]                            # the policy's plan: who goes to the draft, with round_k()
+    message: target_pb2.ProposeAhead | None = None    # the Propose the target sends (None: the gateway sends it)
+
+
+def plan_ahead(s: Scheduler, batch: list[GenRequest], drafts: dict, vreq: target_pb2.VerifyRequest) -> AheadPlan | None:
+    """Where the gateway reaches both services' local lanes (so they share its host and network namespace): plan
+    the next round now, before this round's Verify, which names that work (VerifyRequest.ahead), and the target
+    sends its Propose to the draft as soon as it has the tokens and rows. Each request's k counts this Verify's
+    tokens at their most (its drafts + 1): only near the end of the context is it less than after. None: no
+    lanes, the next round is planned once the Verify has answered."""
+    lane = getattr(s.draft.Propose, "lane", "") if s.propose_ahead else ""
+    if not (lane and getattr(s.target.Verify, "lane", "")):
+        return None
+    live = [r for r in batch if not r.cancelled]
+    plan = AheadPlan(s.policy.plan(live) if live else [])
+    if not plan.spec:
+        return plan
+    items = []
+    for r in plan.spec:
+        most = len(r.prompt_ids) + len(r.output_ids) + len(getattr(drafts.get(r.id), "draft_token_ids", ())) + 1
+        k = min(r.round_k(), r.max_model_len - most)
+        if k < 1 or r.draft.pending or r.draft.position == 0:     # (tokens the Verify does not carry)
+            return plan
+        items.append(target_pb2.AheadItem(request_id=r.id, num_draft_tokens=k, position=r.draft.position))
+    plan.message = target_pb2.ProposeAhead(ahead_id=f"{s.new_id()}-ahead", draft_lane=lane, items=items)
+    vreq.ahead.CopyFrom(plan.message)
+    return plan
+
+
+async def after_verify(s: Scheduler, plan: AheadPlan | None, vresp, batch: list[GenRequest]) -> Proposal | None:
+    """The next round's Propose once the Verify has answered: collected where the target sent it (ahead_sent),
+    else sent now for the requests the commit does not end (known before it: max_tokens, the context's end,
+    an EOS), as planned before the Verify or, without a plan, planned now."""
+    if vresp.ahead_sent:
+        named = {it.request_id for it in plan.message.items}
+        spec = [r for r in plan.spec if r.id in named]
+        preq = draft_pb2.ProposeRequest(collect_ahead_id=plan.message.ahead_id)
+        timeout, by_deadlines = call_budget(spec, s.draft_timeout)
+
+        async def call():
+            with tracing.phase("propose", [r.span for r in spec], requests=len(spec), ahead=True):
+                return await s.draft.Propose(preq, timeout=timeout)
+        p = Proposal(spec, [], asyncio.ensure_future(call()), by_deadlines, named)
+        s.proposing.append(p)
+        p.task.add_done_callback(lambda _: _answered(s, p))
+        s.ahead_rounds += 1
+        return p
+    ends = {r.id for r, res in zip(batch, vresp.results) if r.ends_at_commit or not r.ignore_eos
+            and not s.eos.isdisjoint(res.emitted_token_ids)}
+    live = [r for r in s.running if not (r.cancelled or r.id in ends)]
+    spec = [r for r in plan.spec if r in live] if plan is not None else s.policy.plan(live) if live else []
+    return await send(s, spec, []) if spec else None
 
 
 def _answered(s: Scheduler, p: Proposal) -> None:

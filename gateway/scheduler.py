@@ -43,7 +43,7 @@ class Scheduler:
     def __init__(self, target: TargetStub, draft: DraftStub | None, eos_ids: set[int], max_batch: int = 64,
                  rpc_timeout_s: float = 60.0, transport: int = rows_pb2.TRANSPORT_UNSPECIFIED,
                  observer: Observer | None = None, draft_timeout_s: float = 10.0, max_waiting: int = 0, policy=None,
-                 max_num_batched_tokens: int = 0, overlap: bool = True):
+                 max_num_batched_tokens: int = 0, overlap: bool = True, propose_ahead: bool = True):
         self.target, self.draft, self.eos = target, draft, eos_ids
         self.obs, self.policy = observer or Observer(), policy or FixedPolicy()   # policy: gateway/adaptive.py
         self.max_batch, self.timeout, self.transport, self.draft_timeout = max_batch, rpc_timeout_s, transport, draft_timeout_s
@@ -60,11 +60,12 @@ class Scheduler:
         self._in_flight: set[str] = set()      # ids in the Prefill or round now awaiting the services
         self.inflight = InFlight()             # the Prefill, re-sync or round awaited now (target_lost cuts it)
         self.overlap = overlap                 # send the next round's Propose before committing (proposals.py)
+        self.propose_ahead = propose_ahead     # ... from the target, named in the Verify (proposals.plan_ahead)
         self.ahead: proposals.Proposal | None = None       # that Propose, collected by the next round
         self.planned = False                               # the last round planned the next: nobody to send
         self.proposing: list[proposals.Proposal] = []      # Proposes not yet answered
         self._round_end, self._off_round = 0.0, 0.0        # the last round's end; calls between rounds since
-        self.preemptions = self.freed = 0                  # requests preempted; requests ended
+        self.preemptions = self.freed = self.ahead_rounds = 0   # requests preempted, ended; Proposes sent ahead
         self.admit_cap = self.admit_after = None           # admission's cap and hold (gateway/preemption.py)
 
     def new_id(self) -> str:
@@ -190,6 +191,7 @@ class Scheduler:
             drafts.update(more)
         vreq = target_pb2.VerifyRequest(items=[proposals.verify_item(r, drafts.get(r.id)) for r in batch],
                                         return_hidden_rows=any(r.draft.speculate for r in batch), transport=self.transport)
+        plan = proposals.plan_ahead(self, batch, drafts, vreq) if self._overlaps(batch) else None
         t0 = time.perf_counter()
         try:
             with tracing.phase("verify", [r.span for r in batch], requests=len(batch)):
@@ -211,13 +213,10 @@ class Scheduler:
         if not overlap:
             self._commit_all(batch, vresp.results)
         self._close_round(batch, split, round_t0)
-        if overlap:                 # the next round's drafts are computed while this round commits
-            ends = {r.id for r, res in zip(batch, vresp.results) if r.ends_at_commit or not r.ignore_eos
-                    and not self.eos.isdisjoint(res.emitted_token_ids)}      # known before the commit
-            live = [r for r in self.running if not (r.cancelled or r.id in ends)]
-            spec = self.policy.plan(live) if live else []
-            self.ahead = await proposals.send(self, spec, []) if spec else None
-            self.planned = not spec                # nobody to send: the next round needs no plan of its own
+        if overlap or vresp.ahead_sent:     # the next round's drafts are computed while this round commits
+            self.ahead = await proposals.after_verify(self, plan, vresp, batch)
+            self.planned = self.ahead is None      # nobody to send: the next round needs no plan of its own
+        if overlap:
             self._commit_all(batch, vresp.results)
 
     def _overlaps(self, batch: list[GenRequest]) -> bool:

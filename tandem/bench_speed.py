@@ -103,12 +103,15 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
             "p50_request_s": sorted(t for _, t in results)[len(results) // 2], "ms_per_round": split}
 
 
+VARIANTS = {"": [], "serial": ["--no-overlap-rounds"], "no-ahead": ["--no-propose-ahead"]}
+
+
 def mode_args(mode: str) -> list[str]:
-    """The gateway flags of a --speculation mode: fixed | adaptive, optionally /serial."""
+    """The gateway flags of a --speculation mode: fixed | adaptive, optionally /serial or /no-ahead."""
     base, _, variant = mode.partition("/")
-    if base not in ("fixed", "adaptive") or variant not in ("", "serial"):
-        raise SystemExit(f"--speculation: fixed or adaptive, each optionally /serial; got {mode!r}")
-    return ["--speculation", base] + (["--no-overlap-rounds"] if variant else [])
+    if base not in ("fixed", "adaptive") or variant not in VARIANTS:
+        raise SystemExit(f"--speculation: fixed or adaptive, each optionally /serial or /no-ahead; got {mode!r}")
+    return ["--speculation", base] + VARIANTS[variant]
 
 
 def parse(argv):
@@ -127,7 +130,8 @@ def parse(argv):
     p.add_argument("--ks", default="0,1,2,3,4")
     p.add_argument("--speculation", default="fixed", help="fixed (the --ks grid), adaptive (k <= the largest of "
                    "--ks chosen per request and round), or fixed,adaptive: both, a gateway each on one target and "
-                   "draft; a mode ending in /serial runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial)")
+                   "draft; a mode ending in /serial runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial), one "
+                   "ending in /no-ahead with --no-propose-ahead")
     p.add_argument("--workload", default="greedy", choices=["greedy", "mixed"], help="mixed: every other request "
                    "at temperature 1 (the synthetic acceptance applies to greedy ones only)")
     p.add_argument("--batches", default="1,8,32")
@@ -185,20 +189,21 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
         for proc, _, _ in reversed(list(clusters.values())):     # the added gateways, then the cluster
             stop_cluster(proc)
     rows = []
-    for rs in runs.values():                        # the mean of the repeats, and their spread
+    for rs in runs.values():                        # the mean of the repeats (tokens/s and the split), and their spread
         tps = [r["tokens_per_s"] for r in rs]
-        rows.append({**rs[-1], "tokens_per_s": sum(tps) / len(tps), "tokens_per_s_runs": tps,
+        rows.append({**rs[-1], "tokens_per_s": sum(tps) / len(tps), "tokens_per_s_runs": tps, "ms_per_round": mean_split(rs),
                      "spread": (max(tps) - min(tps)) / (sum(tps) / len(tps))})
-    for b in {r["batch"] for r in rows}:
-        base = next(r["tokens_per_s"] for r in rows if r["batch"] == b)
+    for b in {r["batch"] for r in rows}:             # against its own mode's K = 0 row (adaptive: the first mode's)
+        first = next(r["tokens_per_s"] for r in rows if r["batch"] == b)
         for r in (r for r in rows if r["batch"] == b):
-            r["speedup"] = r["tokens_per_s"] / base
+            r["speedup"] = r["tokens_per_s"] / next((x["tokens_per_s"] for x in rows if x["batch"] == b and x["k"] ==
+                                                     ks[0] and x["speculation"] == r["speculation"]), first)
     if a.in_process:
         from tandem.bench_inprocess import run_grid
         if engines is None:                         # GPU: after the served grid (the clusters hold the memory)
             inproc = {(r["batch"], r["k"]): [r] for r in run_grid(model, a, profile)}
-        inproc = {key: {**rs[-1], "tokens_per_s": statistics.mean(x["tokens_per_s"] for x in rs)}
-                  for key, rs in inproc.items()}
+        inproc = {key: {**rs[-1], "tokens_per_s": statistics.mean(x["tokens_per_s"] for x in rs),
+                        "ms_per_round": mean_split(rs)} for key, rs in inproc.items()}
         for r in (r for r in rows if r["speculation"].startswith("fixed")):
             ip = inproc[(r["batch"], r["k"])]
             base = inproc[(r["batch"], ks[0])]["tokens_per_s"]
@@ -207,6 +212,12 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
                      inprocess_ms_per_round=ip["ms_per_round"],
                      inprocess_mean_acceptance_length=ip["mean_acceptance_length"])
     return rows
+
+
+def mean_split(rs: list[dict]) -> dict[str, float]:
+    """The repeats' round split, phase by phase (a phase some repeats lack: the mean of those that have it)."""
+    phases = {ph for r in rs for ph in r["ms_per_round"]}
+    return {ph: statistics.mean(r["ms_per_round"][ph] for r in rs if ph in r["ms_per_round"]) for ph in phases}
 
 
 def add_roofline(rows: list[dict], model: str, a) -> float:

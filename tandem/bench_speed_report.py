@@ -51,12 +51,13 @@ def hops(s: dict) -> str:
 
 
 def k_name(r: dict, mean: bool = False) -> str:
-    """A row's K: the fixed K, or the adaptive cap (and the mean k chosen); "serial" without overlapped rounds."""
+    """A row's K: the fixed K, or the adaptive cap (and the mean k chosen); then the gateway's variant: "serial"
+    without overlapped rounds, "no-ahead" with each Propose sent by the gateway."""
     mode = r.get("speculation", "fixed")
-    serial = " serial" if mode.endswith("/serial") else ""
+    variant = " " + mode.partition("/")[2] if "/" in mode else ""       # serial, no-ahead (bench_speed.VARIANTS)
     if not mode.startswith("adaptive"):
-        return str(r["k"]) + serial
-    return f"adaptive <= {r['k']}" + (f" (mean {r['mean_k']:.2f})" if mean else "") + serial
+        return str(r["k"]) + variant
+    return f"adaptive <= {r['k']}" + (f" (mean {r['mean_k']:.2f})" if mean else "") + variant
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -47,6 +47,9 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="gateway: largest REST body / gRPC message")
     p.add_argument("--no-overlap-rounds", dest="overlap_rounds", action="store_false", help="gateway: commit each "
                    "round before sending the next round's Propose (default: overlapped, gateway/proposals.py)")
+    p.add_argument("--no-propose-ahead", dest="propose_ahead", action="store_false", help="gateway: send each "
+                   "round's Propose itself (default: the target sends it to the draft from the Verify before, where "
+                   "the services' local lanes reach each other: gateway/proposals.py)")
     p.add_argument("--service-calls", default="local", choices=("local", "stream", "unary"), help="gateway: each "
                    "round's Verify and Propose on the services' local lanes (Unix sockets; else as stream), on one "
                    "persistent gRPC stream per service, or as unary calls")
@@ -200,7 +203,8 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                   "--max-request-bytes", str(a.max_request_bytes),
                                   "--max-waiting", str(a.max_waiting), "--service-calls", a.service_calls]
                                  + ([] if a.busy_poll else ["--no-busy-poll"])
-                                 + ([] if a.overlap_rounds else ["--no-overlap-rounds"]) + tls,
+                                 + ([] if a.overlap_rounds else ["--no-overlap-rounds"])
+                                 + ([] if a.propose_ahead else ["--no-propose-ahead"]) + tls,
                  f"{a.host}:{a.grpc_port}"))
     return cmds
 

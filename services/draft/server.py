@@ -14,18 +14,22 @@ from services.config import ServiceConfig
 from services.launch import run_service
 from services.ranks import RankGroup
 from services.servicer import STREAM_THREADS, ServicerBase
+from services.draft.ahead import AheadStore
 from services.draft.engine import DraftEngine, ProposeItem
 from services.sampling import Sampling, TopQ
 from infra import grpc_server, tracing
+from infra.grpc_server import internal_details
 from tandem.v1 import draft_pb2, draft_pb2_grpc, rows_pb2
 
 log = logging.getLogger("tandem.draft")
+AHEAD_WAIT_S = 60.0        # a collect without a deadline (a local lane's) waits this long for the push's answer
 
 
 class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, cfg: ServiceConfig, group: RankGroup, channel: RowChannel | None):
         self.cfg, self.group, self.engine, self.channel = cfg, group, group.engine, channel
         self.lock = threading.Lock()
+        self.ahead = AheadStore()                 # Proposes the target pushed a round ahead (ahead.py)
         self.hidden_size = group.engine.model.cfg.hidden_size
 
     def _item(self, it) -> ProposeItem:
@@ -84,22 +88,41 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
 
     def Propose(self, request, context):
         try:
-            with self.lock:
-                # expired while waiting for the lock: do nothing. (A bridge pull, once asked for,
-                # is never cut short by the deadline: a pull given up leaves the channel out of step.)
-                grpc_server.time_left(context)
-                items = [self._item(it) for it in request.items]
-                expected = self.engine.expected_rows(items)
-                t0 = time.perf_counter()
-                with tracing.span("draft.transfer", rows=sum(expected.values())):
-                    rows = self._gather_rows(request, expected)
-                transfer_s = time.perf_counter() - t0
-                with tracing.span("draft.propose", requests=len(items)):
-                    results = self.group.call(DraftEngine.propose, items, rows)
-                    not_held = [it.request_id in self.engine.not_held for it in items]
-                done = time.perf_counter()
+            if request.collect_ahead_id:          # the gateway: what the target's push came to (ahead.py)
+                got = self.ahead.collect(request.collect_ahead_id, grpc_server.time_left(context) or AHEAD_WAIT_S)
+                if isinstance(got, ServiceError):
+                    raise got
+                return got
+            if request.ahead_id:                  # the target: computed now, answered at once, kept for the collect
+                self.ahead.pushed(request.ahead_id)
+                try:
+                    self.ahead.done(request.ahead_id, self._propose(request, context))
+                except ServiceError as e:
+                    self.ahead.done(request.ahead_id, e)
+                except Exception as e:            # a bug: the collect answers INTERNAL, not a wait
+                    self.ahead.done(request.ahead_id, ServiceError("INTERNAL", internal_details(
+                        "tandem.v1.DraftService/Propose (pushed ahead)", e)))
+                    raise
+                return draft_pb2.ProposeResponse()
+            return self._propose(request, context)
         except ServiceError as e:
             grpc_server.abort(context, e.code, str(e))
+
+    def _propose(self, request, context) -> draft_pb2.ProposeResponse:
+        with self.lock:
+            # expired while waiting for the lock: do nothing. (A bridge pull, once asked for,
+            # is never cut short by the deadline: a pull given up leaves the channel out of step.)
+            grpc_server.time_left(context)
+            items = [self._item(it) for it in request.items]
+            expected = self.engine.expected_rows(items)
+            t0 = time.perf_counter()
+            with tracing.span("draft.transfer", rows=sum(expected.values())):
+                rows = self._gather_rows(request, expected)
+            transfer_s = time.perf_counter() - t0
+            with tracing.span("draft.propose", requests=len(items)):
+                results = self.group.call(DraftEngine.propose, items, rows)
+                not_held = [it.request_id in self.engine.not_held for it in items]
+            done = time.perf_counter()
         return draft_pb2.ProposeResponse(results=[_result(d, q, n) for (d, q), n in zip(results, not_held)],
             transfer_seconds=transfer_s, timing=rows_pb2.CallTiming(
                 transfer_seconds=transfer_s, compute_seconds=done - t0 - transfer_s, handler_seconds=done - t0))

@@ -18,6 +18,7 @@ from services.ranks import RankGroup
 from services.servicer import STREAM_THREADS, ServicerBase
 from services.sampling import Sampling, TopQ
 from services.target.synthetic import parse_profile
+from services.target import ahead
 from services.target.engine import TargetEngine
 from infra import grpc_server, tracing
 from tandem.v1 import rows_pb2, target_pb2, target_pb2_grpc
@@ -58,6 +59,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
         self.cfg, self.group, self.engine, self.channel = cfg, group, group.engine, channel
         self.lock = threading.Lock()          # one step at a time: the engine owns the cache
         self._transfer_ids = itertools.count(1)
+        self.ahead = ahead.AheadSender()      # next rounds' Proposes, pushed to the draft (ahead.py)
         profile = parse_profile(cfg.synthetic_acceptance)
         if profile is not None:                 # rank 0 decides acceptance, so only its engine needs it
             self.engine.synthetic_acceptance = profile
@@ -130,6 +132,8 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
                 items.append((it.request_id, list(it.draft_token_ids), _draft_q(it, V)))
             if not items:
                 raise ServiceError("INVALID_ARGUMENT", "items is empty")
+            if request.HasField("ahead"):
+                ahead.check(request)
             want = [it.logprobs if it.HasField("logprobs") else None for it in request.items]
             t0 = time.perf_counter()
             with tracing.span("target.verify", requests=len(items),
@@ -138,13 +142,16 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
                 if span is not None:
                     span.set_attribute("accepted_tokens", sum(res.accepted))
             compute_s = time.perf_counter() - t0
+            desc = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
+                              [a + 1 for a in res.accepted], res.rows)
+            sent = request.HasField("ahead") and self.ahead.send(     # the next round's Propose, to the draft now
+                request.ahead, {i[0]: t for i, t in zip(items, res.emitted)}, desc)
             results = [target_pb2.VerifyResult(num_accepted=a, emitted_token_ids=t,
                                                logprobs=[logprob_pb(x) for x in lp])
                        for a, t, lp in zip(res.accepted, res.emitted, res.logprobs or [[] for _ in items])]
-            desc = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
-                              [a + 1 for a in res.accepted], res.rows)
-            return target_pb2.VerifyResponse(results=results, hidden_rows=desc, timing=rows_pb2.CallTiming(
-                compute_seconds=compute_s, handler_seconds=time.perf_counter() - t0))
+            return target_pb2.VerifyResponse(results=results, hidden_rows=desc, ahead_sent=sent,
+                                             timing=rows_pb2.CallTiming(compute_seconds=compute_s,
+                                                                        handler_seconds=time.perf_counter() - t0))
         return self._guard(context, run)
 
     def VerifyStream(self, requests, context):

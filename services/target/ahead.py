@@ -1,0 +1,133 @@
+"""The next round's Propose, sent to the draft by the target as soon as a Verify has the tokens and rows
+(issue 14, a round ahead: VerifyRequest.ahead), so the draft computes while the Verify's answer travels to the
+gateway and the gateway plans; the gateway collects the drafts (ProposeRequest.collect_ahead_id).
+
+The Propose goes on the draft's local lane (services/lane.py, frames: infra/lane_wire.py), named by the gateway,
+which reaches both services' lanes and so shares their host and network namespace. The target only writes it:
+a thread drains the draft's answers (empty ones; a failure is kept by the draft for the collect). A lane that
+does not connect, or a write that fails, is reported (VerifyResponse.ahead_sent false) and the gateway sends
+that Propose itself; a lane that did not connect is not tried again (a restarted draft announces a new one).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+from infra import lane_wire as wire
+from infra.errors import ServiceError
+from tandem.v1 import draft_pb2, target_pb2
+
+log = logging.getLogger("tandem.target")
+METHOD = "tandem.v1.DraftService/Propose"
+LANE_PREFIX = "tandem-propose-"       # services/lane.py names a draft's lane so
+TIMEOUT_S = 2.0            # connecting, the lane's greeting, one write
+
+
+def check(request: target_pb2.VerifyRequest) -> None:
+    """A Verify's `ahead`, before any work: INVALID_ARGUMENT naming the field when it cannot be sent."""
+    ahead = request.ahead
+    if not (ahead.ahead_id and ahead.draft_lane and ahead.items):
+        raise ServiceError("INVALID_ARGUMENT", "ahead: needs ahead_id, draft_lane and items, got "
+                           f"ahead_id {ahead.ahead_id!r}, draft_lane {ahead.draft_lane!r}, {len(ahead.items)} items")
+    if not ahead.draft_lane.startswith(LANE_PREFIX):      # only a draft's lane is ever connected to
+        raise ServiceError("INVALID_ARGUMENT", f"ahead.draft_lane: a draft's local lane ({LANE_PREFIX}...), got "
+                           f"{ahead.draft_lane[:80]!r}")
+    if not request.return_hidden_rows:
+        raise ServiceError("INVALID_ARGUMENT", "ahead: the draft needs the Verify's rows; return_hidden_rows is false")
+    names = {it.request_id for it in request.items}
+    seen = set()
+    for it in ahead.items:
+        if it.request_id not in names or it.request_id in seen:
+            raise ServiceError("INVALID_ARGUMENT", f"ahead.items: request {it.request_id!r} is "
+                               + ("named twice" if it.request_id in seen else "not an item of this Verify"))
+        if it.num_draft_tokens < 1:
+            raise ServiceError("INVALID_ARGUMENT", f"ahead.items: request {it.request_id!r} has num_draft_tokens 0, "
+                               "expected >= 1 (leave it out instead)")
+        seen.add(it.request_id)
+
+
+class AheadSender:
+    def __init__(self):
+        self.sock: socket.socket | None = None
+        self.lane = ""                 # the lane self.sock is connected to
+        self.unreachable = ""          # the last lane that did not connect
+        self.sent = 0
+
+    def send(self, ahead: target_pb2.ProposeAhead, emitted: dict[str, list[int]], rows) -> bool:
+        """Propose `ahead`'s items with their emitted tokens and the Verify's row set `rows` -> written."""
+        request = draft_pb2.ProposeRequest(ahead_id=ahead.ahead_id, hidden_rows=[rows], items=[draft_pb2.ProposeItem(
+            request_id=it.request_id, new_token_ids=emitted[it.request_id], num_draft_tokens=it.num_draft_tokens,
+            position=it.position, rows_set=1) for it in ahead.items])
+        if self.lane != ahead.draft_lane:
+            self._close()
+            if ahead.draft_lane == self.unreachable or not self._connect(ahead.draft_lane):
+                return False
+        try:
+            self.sock.sendall(wire.frame(wire.REQUEST, request.SerializeToString()))
+        except OSError as e:
+            log.warning("the draft's lane %s broke (%s): the gateway sends its Propose itself", self.lane, e)
+            self._close()
+            return False
+        self.sent += 1
+        return True
+
+    def _connect(self, name: str) -> bool:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(TIMEOUT_S)
+        try:
+            sock.connect(wire.address(name))
+            sock.sendall(wire.frame(wire.HELLO, METHOD.encode()))
+            head = _recv(sock, wire.HEADER.size)
+            n, kind = wire.HEADER.unpack(head) if head else (0, 0)
+            if kind != wire.RESPONSE or n:
+                raise ConnectionError(f"the lane refused {METHOD}")
+        except OSError as e:
+            sock.close()
+            self.unreachable = name
+            log.warning("the draft's lane %s is not reachable from the target (%s): the gateway sends the next "
+                        "round's Propose itself", name, e)
+            return False
+        self.sock, self.lane = sock, name
+        threading.Thread(target=_drain, args=(sock,), name="ahead-drain", daemon=True).start()
+        log.info("next rounds' Proposes go to the draft's lane %s", name)
+        return True
+
+    def _close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+        self.sock, self.lane = None, ""
+
+
+def _recv(sock: socket.socket, n: int, wait: bool = False) -> bytes | None:
+    """n bytes (None: the peer closed). The socket's timeout bounds each read unless `wait` (the drain)."""
+    buf = b""
+    while len(buf) < n:
+        try:
+            got = sock.recv(n - len(buf))
+        except TimeoutError:
+            if wait:
+                continue
+            raise
+        if not got:
+            return None
+        buf += got
+    return buf
+
+
+def _drain(sock: socket.socket) -> None:
+    """Read the draft's answers to the pushes (empty; an ERROR is a push the lane could not even parse)."""
+    try:
+        while (head := _recv(sock, wire.HEADER.size, wait=True)) is not None:
+            n, kind = wire.HEADER.unpack(head)
+            payload = _recv(sock, n, wait=True) if n else b""
+            if payload is None:
+                return
+            if kind == wire.ERROR:
+                log.warning("the draft's lane refused a pushed Propose: %s", wire.parse_error(payload))
+    except OSError:
+        return

@@ -1,0 +1,243 @@
+"""A round ahead (issue 14): the gateway's Verify names the next round's draft work, the target sends that
+Propose to the draft's local lane as soon as it has the tokens and rows, the gateway collects the drafts.
+
+Served (target, draft, three gateways as processes on one host): the same greedy and seeded sampled outputs
+with and without it, greedy equal to plain decoding, and the metric that counts the rounds it served. The
+contract: a Verify whose `ahead` cannot be sent is INVALID_ARGUMENT naming the field, before any work. The
+draft's store (services/draft/ahead.py): a collect that comes first waits for the push, an id never pushed is
+NOT_FOUND, a push that failed answers its own status."""
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import pytest
+
+from cluster import Cluster, make_checkpoint, serve_module
+from gateway.scheduler import Scheduler
+from gateway.text import TextStream
+from infra.errors import ServiceError
+from services.draft import ahead as draft_ahead
+from tandem.v1 import draft_pb2, generate_pb2 as gen, target_pb2
+from test_scheduler_faults import NEXT, FakeDraft, FakeTarget, Letters, events, request, rpc_error, run
+
+K = 3
+LANE = "tandem-propose-1-00"
+PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def push(self, x):", "# naïve → ok ✓\n",
+           "x = 1\n" * 40]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, request):
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=7)
+    gateways = [{"name": "ahead"}, {"name": "sent", "args": ["--no-propose-ahead"]}, {"name": "plain", "k": 0}]
+    with Cluster(ckpt, k=K, gateways=gateways, hidden_transport="auto", log_dir=tmp_path_factory.mktemp("logs")) as c:
+        yield from serve_module(c, request)
+
+
+def generate(gw, i: int, prompt: str, sampled: bool) -> tuple[list[int], int, int]:
+    r = gw.stub.Generate(gen.GenerateRequest(text=prompt, max_tokens=24, ignore_eos=True, seed=100 + i,
+                                             temperature=1.0 if sampled else 0.0), timeout=120)
+    return list(r.token_ids), r.spec_stats.num_draft_tokens, r.spec_stats.num_accepted_tokens
+
+
+def outputs(gw, sampled: bool) -> list[tuple[list[int], int, int]]:
+    """Every prompt at once (one batch), greedy or seeded sampled: (tokens, drafts, accepted) each."""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(lambda ip: generate(gw, *ip, sampled), enumerate(PROMPTS)))
+
+
+def ahead_rounds(gw) -> float:
+    text = httpx.get(gw.http_url + "/metrics", timeout=30).text
+    m = re.search(r"^tandem:spec_decode_proposals_ahead_total\{[^}]*\} (\S+)$", text, re.M)
+    assert m, "no tandem:spec_decode_proposals_ahead_total in /metrics"
+    return float(m.group(1))
+
+
+@pytest.mark.slow
+def test_proposes_sent_ahead_change_no_output(cluster):
+    ahead, sent, plain = (next(g for g in cluster.gateways if g.name == n) for n in ("ahead", "sent", "plain"))
+    before = ahead_rounds(ahead)
+    greedy = outputs(ahead, sampled=False)
+    assert ahead_rounds(ahead) > before, "no round had its Propose sent ahead by the target"
+    # the same drafts: the same tokens and the same acceptance, request by request
+    assert greedy == outputs(sent, sampled=False)
+    assert [t for t, _, _ in greedy] == [t for t, _, _ in outputs(plain, sampled=False)]
+    assert all(len(t) == 24 for t, _, _ in greedy) and sum(a for _, _, a in greedy) > 0
+    assert outputs(ahead, sampled=True) == outputs(sent, sampled=True)
+    assert ahead_rounds(sent) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ahead, field", [
+    (dict(ahead_id="a", draft_lane=LANE, items=[target_pb2.AheadItem(request_id="nope", num_draft_tokens=1)]),
+     "not an item of this Verify"),
+    (dict(ahead_id="a", draft_lane=LANE, items=[target_pb2.AheadItem(request_id="r", num_draft_tokens=0)]),
+     "num_draft_tokens 0"),
+    (dict(ahead_id="", draft_lane=LANE, items=[target_pb2.AheadItem(request_id="r", num_draft_tokens=1)]),
+     "needs ahead_id"),
+    (dict(ahead_id="a", draft_lane="some-other-socket", items=[target_pb2.AheadItem(request_id="r", num_draft_tokens=1)]),
+     "ahead.draft_lane: a draft's local lane"),
+])
+def test_an_ahead_that_cannot_be_sent_is_invalid_argument(cluster, ahead, field):
+    req = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(request_id="r")], return_hidden_rows=True,
+                                   ahead=target_pb2.ProposeAhead(**ahead))
+    with pytest.raises(grpc.RpcError) as e:
+        cluster.target.Verify(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ahead" in e.value.details()
+    assert field in e.value.details(), e.value.details()
+
+
+def test_a_collect_waits_for_its_push():
+    store = draft_ahead.AheadStore()
+    store.pushed("a1")
+    answer = draft_pb2.ProposeResponse(results=[draft_pb2.ProposeResult(draft_token_ids=[5, 6])])
+    threading.Timer(0.2, store.done, ("a1", answer)).start()
+    t0 = time.monotonic()
+    assert store.collect("a1", 10.0) is answer and time.monotonic() - t0 >= 0.15
+    assert len(store) == 0
+
+
+def test_a_collect_of_an_id_never_pushed_is_not_found(monkeypatch):
+    monkeypatch.setattr(draft_ahead, "GRACE_S", 0.1)
+    with pytest.raises(ServiceError) as e:
+        draft_ahead.AheadStore().collect("never", 10.0)
+    assert e.value.code == "NOT_FOUND" and "never" in str(e.value)
+
+
+def test_a_push_that_failed_answers_its_status_and_an_unfinished_one_times_out():
+    store = draft_ahead.AheadStore()
+    store.pushed("bad")
+    store.done("bad", ServiceError("FAILED_PRECONDITION", "request 'r': position is 3, the draft holds 0"))
+    got = store.collect("bad", 1.0)
+    assert isinstance(got, ServiceError) and got.code == "FAILED_PRECONDITION"
+    store.pushed("slow")
+    with pytest.raises(ServiceError) as e:
+        store.collect("slow", 0.2)
+    assert e.value.code == "DEADLINE_EXCEEDED"
+
+
+def test_outcomes_nobody_collects_are_bounded(monkeypatch):
+    monkeypatch.setattr(draft_ahead, "MAX_KEPT", 4)
+    store = draft_ahead.AheadStore()
+    for i in range(10):
+        store.pushed(f"a{i}")
+        store.done(f"a{i}", draft_pb2.ProposeResponse())
+    assert len(store) <= 4
+
+
+# --- the gateway's side over fake services (tests/test_scheduler_faults.py): no processes -------------------
+class LaneMethod:
+    """A stub method with the name of the local lane it is called on (gateway/local_lane.py LocalLane.lane)."""
+
+    def __init__(self, fn, lane: str):
+        self.fn, self.lane = fn, lane
+
+    async def __call__(self, req, timeout=None):
+        return await self.fn(req, timeout)
+
+
+class AheadDraft(FakeDraft):
+    """Keeps a pushed Propose's answer for its collect; checks every Propose's position against the tokens it
+    holds (FAILED_PRECONDITION, as the draft); records pushes, Proposes, collects and Releases in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept, self.held, self.order = {}, {}, []
+        self.Propose = LaneMethod(self._propose, LANE)
+
+    async def _propose(self, req, timeout=None):
+        if req.collect_ahead_id:
+            self.order.append("collect")
+            resp = await self.kept.pop(req.collect_ahead_id)
+            self.order.append("collected")
+            return resp
+        self.order.append(("push:" if req.ahead_id else "Propose:") + ",".join(it.request_id for it in req.items))
+        for it in req.items:
+            if it.position != self.held.get(it.request_id, 0):
+                raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, f"request {it.request_id!r}: position is "
+                                f"{it.position}, the draft holds {self.held.get(it.request_id, 0)} tokens of it")
+            self.held[it.request_id] = it.position + len(it.new_token_ids)
+        await asyncio.sleep(0.01)
+        return await FakeDraft.Propose(self, req, timeout)
+
+    async def Release(self, req, timeout=None):
+        self.order.append("Release:" + ",".join(req.request_ids))
+        for rid in req.request_ids:
+            self.held.pop(rid, None)
+        return await super().Release(req, timeout)
+
+
+class AheadTarget(FakeTarget):
+    """Sends the draft the Propose a Verify names (as services/target/ahead.py), or (sends False) reports it
+    could not; counts the Verifies that named one."""
+
+    def __init__(self, draft: AheadDraft, sends: bool = True):
+        super().__init__()
+        self.draft, self.sends, self.named = draft, sends, 0
+        self.Verify = LaneMethod(self._verify, "tandem-verify-1-00")
+
+    async def _verify(self, req, timeout=None):
+        resp = await FakeTarget.Verify(self, req, timeout)
+        if req.HasField("ahead"):
+            self.named += 1
+        if req.HasField("ahead") and self.sends:
+            emitted = {it.request_id: list(res.emitted_token_ids) for it, res in zip(req.items, resp.results)}
+            push = draft_pb2.ProposeRequest(ahead_id=req.ahead.ahead_id, hidden_rows=[resp.hidden_rows], items=[
+                draft_pb2.ProposeItem(request_id=a.request_id, new_token_ids=emitted[a.request_id], rows_set=1,
+                                      num_draft_tokens=a.num_draft_tokens, position=a.position)
+                for a in req.ahead.items])
+            self.draft.kept[req.ahead.ahead_id] = asyncio.ensure_future(self.draft._propose(push))
+            resp.ahead_sent = True
+        return resp
+
+
+async def drive(s: Scheduler, reqs, steps: int = 200):
+    for r in reqs:
+        s.submit(r)
+    for _ in range(steps):
+        if not s.running and not s.waiting and not s.prefilling:
+            break
+        await s.step()
+    await asyncio.sleep(0.2)                          # the Release tasks run
+
+
+def test_the_target_sends_the_next_rounds_propose_and_nothing_changes():
+    async def main(ahead: bool, sends: bool = True):
+        draft = AheadDraft()
+        target = AheadTarget(draft, sends)
+        s = Scheduler(target, draft, {2}, propose_ahead=ahead)
+        reqs = [request(s, (3, 4, 5 + i), max_tokens=13 + i, k=2 + i % 2) for i in range(3)]
+        await drive(s, reqs)
+        return reqs, s, target, draft
+    plain, s0, t0, d0 = run(main(False))
+    for sends in (True, False):
+        reqs, s, target, draft = run(main(True, sends))
+        for a, b in zip(plain, reqs):
+            assert a.output_ids == b.output_ids == [NEXT] * a.max_tokens and b.finished and not events(b)[-1].error
+            assert (a.stats.num_drafts, a.stats.num_accepted_tokens) == (b.stats.num_drafts, b.stats.num_accepted_tokens)
+        assert target.named >= 3 and (s.ahead_rounds == target.named) == sends, (target.named, s.ahead_rounds)
+        pushes, collects = sum(o.startswith("push:") for o in draft.order), draft.order.count("collected")
+        assert (pushes, collects) == ((s.ahead_rounds, s.ahead_rounds) if sends else (0, 0)), draft.order
+    assert t0.named == 0 and s0.ahead_rounds == 0 and "collect" not in d0.order
+
+
+def test_a_request_finished_by_the_commit_is_released_after_the_collect():
+    """A stop string ends r at the commit of a round whose Verify had already named it for the next round (the
+    gateway cannot know before it detokenizes): its draft Release waits until that push's collect answers."""
+    async def main():
+        draft = AheadDraft()
+        s = Scheduler(AheadTarget(draft), draft, {2})
+        r = request(s, max_tokens=40, k=3)
+        r.text = TextStream(Letters(), [Letters().decode([NEXT] * 9)])
+        await drive(s, [r])
+        return r, s, draft
+    r, s, draft = run(main())
+    assert r.finished and r.output_ids == [NEXT] * 9 and s.ahead_rounds >= 1
+    release = draft.order.index(f"Release:{r.id}")
+    assert draft.order[release - 3:release] == [f"push:{r.id}", "collect", "collected"], draft.order
