@@ -65,9 +65,9 @@ class Lane:
                 self.opened += 1
             self.written_at = time.perf_counter()    # before the write: its await may return after the service has it
             await call.write(request)
-        except grpc.aio.AioRpcError as e:
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:   # (the latter: the stream ended first)
             return asyncio.ensure_future(self._failed(call, e, request, timeout))
-        except BaseException:                   # cancelled by the caller, or the stream already finished
+        except BaseException:                   # cancelled by the caller
             self._lock.release()
             if call is not None:
                 call.cancel()
@@ -115,13 +115,23 @@ class Lane:
             raise
         return read.result()
 
-    async def _failed(self, call, e: grpc.aio.AioRpcError, request, timeout: float | None):
+    async def _failed(self, call, e: Exception, request, timeout: float | None):
         """The stream failed: dropped; raised as the unary call's error, or (UNIMPLEMENTED: an older
-        service) the call made unary, as every later one."""
+        service) the call made unary, as every later one. A write that lost the race with the stream's end
+        (gRPC core's INTERNAL, or the call already over) takes the stream's own status."""
+        code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
+        if call is not None and code in (None, grpc.StatusCode.INTERNAL):
+            try:
+                code = await asyncio.wait_for(call.code(), 1.0)
+            except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+                pass
         if call is not None:
             call.cancel()
         self._lock.release()
-        if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+        if code != grpc.StatusCode.UNIMPLEMENTED:
+            if not isinstance(e, grpc.aio.AioRpcError):
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE if code in (None, grpc.StatusCode.OK) else code,
+                                f"{self.name}: the stream ended before the call was written") from None
             raise e
         self.streaming = False
         return await self.unary(request, timeout=timeout)

@@ -82,9 +82,11 @@ class LaneServer:
     """Serves `call(request, context, received_at) -> response` for `method` on an abstract Unix socket;
     `name` is what GetInfo announces. One thread a connection (a gateway), its calls run in order."""
 
-    def __init__(self, method: str, request_cls, call, spin_s: float = 0.0, max_bytes: int = 256 << 20):
+    def __init__(self, method: str, request_cls, call, spin_s: float = 0.0, max_bytes: int = 256 << 20,
+                 spin_after=None):
         self.method, self.request_cls, self.call = method, request_cls, call
         self.spin_s, self.max_bytes = spin_s, max_bytes
+        self.spin_after = spin_after or (lambda request: True)   # whether the next call after this one is urgent
         self.name = f"tandem-{method.rsplit('/', 1)[-1].lower()}-{os.getpid()}-{os.urandom(6).hex()}"
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(wire.address(self.name))
@@ -113,41 +115,45 @@ class LaneServer:
                     "FAILED_PRECONDITION", f"this lane serves {self.method}, the client asked for {asked}")))
                 return
             conn.sendall(wire.frame(wire.RESPONSE))
+            spin = self.spin_s
             while True:
                 try:
-                    got = read_frame(conn, time.perf_counter() + self.spin_s, self.max_bytes)
+                    got = read_frame(conn, time.perf_counter() + spin, self.max_bytes)
                 except ValueError as e:
                     conn.sendall(wire.frame(wire.ERROR, wire.error_payload("RESOURCE_EXHAUSTED", str(e))))
                     return
                 if got is None:
                     return
-                conn.sendall(self._answer(conn, *got))
+                answer, request = self._answer(conn, *got)
+                conn.sendall(answer)
+                spin = self.spin_s if request is None or self.spin_after(request) else 0.0
         except OSError as e:                  # the gateway went away while it was answered: its call is gone
             log.debug("%s lane: %s", self.method, e)
         finally:
             conn.close()
 
-    def _answer(self, conn: socket.socket, kind: int, payload: bytes) -> bytes:
-        """One REQUEST -> its RESPONSE or ERROR frame, as the gRPC stream would have answered (services/servicer.py)."""
+    def _answer(self, conn: socket.socket, kind: int, payload: bytes) -> tuple[bytes, object]:
+        """One REQUEST -> (its RESPONSE or ERROR frame, as the gRPC stream would have answered
+        (services/servicer.py), the request or None where it did not parse)."""
         received = time.perf_counter()
         if kind != wire.REQUEST:
             return wire.frame(wire.ERROR, wire.error_payload("INVALID_ARGUMENT", f"a lane frame of kind {kind}, "
-                                                             f"expected a request ({wire.REQUEST})"))
+                                                             f"expected a request ({wire.REQUEST})")), None
         try:
             request = self.request_cls.FromString(payload)
         except Exception as e:                # protobuf's DecodeError
             return wire.frame(wire.ERROR, wire.error_payload(
-                "INVALID_ARGUMENT", f"{self.method}: the request is not a {self.request_cls.__name__} ({e})"))
+                "INVALID_ARGUMENT", f"{self.method}: the request is not a {self.request_cls.__name__} ({e})")), None
         ctx = LaneContext(conn)
         if not ctx.is_active():               # the gateway gave up before it was read: nothing is run
-            return b""
+            return b"", request
         try:
-            return wire.frame(wire.RESPONSE, self.call(request, ctx, received).SerializeToString())
+            return wire.frame(wire.RESPONSE, self.call(request, ctx, received).SerializeToString()), request
         except LaneAbort as e:
-            return wire.frame(wire.ERROR, wire.error_payload(e.code.name, e.details))
+            return wire.frame(wire.ERROR, wire.error_payload(e.code.name, e.details)), request
         except Exception as e:               # as infra/grpc_server.InternalErrors: INTERNAL, named, logged
             log.exception("%s failed", self.method)
-            return wire.frame(wire.ERROR, wire.error_payload("INTERNAL", internal_details(self.method, e)))
+            return wire.frame(wire.ERROR, wire.error_payload("INTERNAL", internal_details(self.method, e))), request
 
     def close(self) -> None:
         self.closed = True

@@ -86,12 +86,16 @@ class ServicerBase:
         unary handler)."""
         raise NotImplementedError
 
+    def lane_spins_after(self, request) -> bool:
+        """Whether the lane's reader polls without sleeping after this call (the next on its connection is urgent)."""
+        return True
+
     def open_lane(self, spin_s: float, max_bytes: int) -> LaneServer | None:
         """Serve the round call on a local lane too (None: this host has no abstract Unix sockets: gRPC only)."""
         method, request_cls, one = self.lane()
         try:
             self.lane_server = LaneServer(method, request_cls, lambda req, ctx, received: answer(
-                method, one, req, ctx, received), spin_s, max_bytes)
+                method, one, req, ctx, received), spin_s, max_bytes, getattr(self, "lane_spins_after", None))
         except OSError as e:
             log.warning("no local lane for %s (%s): round calls come over gRPC", method, e)
         return self.lane_server

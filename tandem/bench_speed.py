@@ -103,14 +103,16 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
             "p50_request_s": sorted(t for _, t in results)[len(results) // 2], "ms_per_round": split}
 
 
-VARIANTS = {"": [], "serial": ["--no-overlap-rounds"], "no-ahead": ["--no-propose-ahead"]}
+VARIANTS = {"": [], "serial": ["--no-overlap-rounds"], "no-ahead": ["--no-propose-ahead"],
+            "no-busy-poll": ["--no-busy-poll"]}
 
 
 def mode_args(mode: str) -> list[str]:
-    """The gateway flags of a --speculation mode: fixed | adaptive, optionally /serial or /no-ahead."""
+    """The gateway flags of a --speculation mode: fixed | adaptive, optionally /serial, /no-ahead or /no-busy-poll."""
     base, _, variant = mode.partition("/")
     if base not in ("fixed", "adaptive") or variant not in VARIANTS:
-        raise SystemExit(f"--speculation: fixed or adaptive, each optionally /serial or /no-ahead; got {mode!r}")
+        raise SystemExit(f"--speculation: fixed or adaptive, each optionally /{' or /'.join(v for v in VARIANTS if v)}; "
+                         f"got {mode!r}")
     return ["--speculation", base] + VARIANTS[variant]
 
 
@@ -131,7 +133,7 @@ def parse(argv):
     p.add_argument("--speculation", default="fixed", help="fixed (the --ks grid), adaptive (k <= the largest of "
                    "--ks chosen per request and round), or fixed,adaptive: both, a gateway each on one target and "
                    "draft; a mode ending in /serial runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial), one "
-                   "ending in /no-ahead with --no-propose-ahead")
+                   "ending in /no-ahead with --no-propose-ahead, /no-busy-poll with --no-busy-poll")
     p.add_argument("--workload", default="greedy", choices=["greedy", "mixed"], help="mixed: every other request "
                    "at temperature 1 (the synthetic acceptance applies to greedy ones only)")
     p.add_argument("--batches", default="1,8,32")

@@ -135,3 +135,27 @@ def test_the_hops_of_a_streamed_call_come_from_the_services_stamps(busy_poll):
         resp = await lane(req("ok:1"), timeout=5)
         return lane.legs(resp.timing)
     assert run(Target(), unary) is None
+
+
+class LateWrite:
+    """A stream whose first write waits until the service has ended it (the race a write can lose)."""
+
+    def __init__(self, call):
+        self.call = call
+
+    def __getattr__(self, name):
+        return getattr(self.call, name)
+
+    async def write(self, request):
+        await self.call.code()
+        await self.call.write(request)
+
+
+def test_a_stream_ended_before_its_first_write_takes_the_streams_status():
+    """A service without the stream method ends the stream UNIMPLEMENTED; a write after that end (the call
+    already over) still makes the call unary, not an error of the round."""
+    async def body(lane):
+        lane.open_stream = (lambda opened: lambda: LateWrite(opened()))(lane.open_stream)
+        return await lane(req("ok:2"), timeout=5), lane.streaming
+    resp, streaming = run(Target(), body)
+    assert resp.results[0].num_accepted == 2 and not streaming

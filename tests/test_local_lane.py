@@ -194,3 +194,34 @@ def test_a_host_without_abstract_sockets_serves_grpc_only(monkeypatch):
     monkeypatch.setattr(servicer_mod, "LaneServer", no_bind)
     s = S()
     assert s.open_lane(0.0, 1 << 20) is None and s.lane_server is None
+
+
+def test_a_lane_spins_only_after_calls_whose_next_is_urgent():
+    """After a call its predicate calls urgent the reader polls without sleeping (CPU busy while idle); after one
+    it does not (the draft's collects: services/draft/server.py), it blocks at once."""
+    import resource
+    import sys
+
+    def idle_cpu(urgent: bool) -> float:
+        switch = sys.getswitchinterval()             # a spinning lane lowers it for the process
+        lane = LaneServer("tandem.v1.TargetService/Verify", target_pb2.VerifyRequest,
+                          lambda req, ctx, received: target_pb2.VerifyResponse(), spin_s=5.0,
+                          spin_after=lambda req: urgent)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(wire.address(lane.name))
+            sock.sendall(wire.frame(wire.HELLO, lane.method.encode()))
+            sock.recv(wire.HEADER.size)
+            sock.sendall(wire.frame(wire.REQUEST, target_pb2.VerifyRequest().SerializeToString()))
+            sock.recv(wire.HEADER.size)
+            time.sleep(0.1)                            # the answer sent; the reader spins or blocks now
+            t0 = resource.getrusage(resource.RUSAGE_SELF)
+            time.sleep(0.5)
+            t1 = resource.getrusage(resource.RUSAGE_SELF)
+            return (t1.ru_utime + t1.ru_stime) - (t0.ru_utime + t0.ru_stime)
+        finally:
+            sock.close()
+            lane.close()
+            sys.setswitchinterval(switch)
+    assert idle_cpu(False) < 0.05
+    assert idle_cpu(True) > 0.1

@@ -24,6 +24,7 @@ from gateway.text import TextStream
 from infra.errors import ServiceError
 from services.draft import ahead as draft_ahead
 from tandem.v1 import draft_pb2, generate_pb2 as gen, target_pb2
+from test_overlap_rounds import drive
 from test_scheduler_faults import NEXT, FakeDraft, FakeTarget, Letters, events, request, rpc_error, run
 
 K = 3
@@ -195,16 +196,6 @@ class AheadTarget(FakeTarget):
             self.draft.kept[req.ahead.ahead_id] = asyncio.ensure_future(self.draft._propose(push))
             resp.ahead_sent = True
         return resp
-
-
-async def drive(s: Scheduler, reqs, steps: int = 200):
-    for r in reqs:
-        s.submit(r)
-    for _ in range(steps):
-        if not s.running and not s.waiting and not s.prefilling:
-            break
-        await s.step()
-    await asyncio.sleep(0.2)                          # the Release tasks run
 
 
 def test_the_target_sends_the_next_rounds_propose_and_nothing_changes():

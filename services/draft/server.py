@@ -133,6 +133,11 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
     def lane(self):
         return "tandem.v1.DraftService/Propose", draft_pb2.ProposeRequest, self.Propose
 
+    def lane_spins_after(self, request) -> bool:
+        """Not after a collect: the gateway's next one waits for a push anyway, and a reader spinning meanwhile
+        holds the GIL between its polls while the push computes; after a push or a Propose, yes."""
+        return not request.collect_ahead_id
+
     def running(self) -> int:
         return len(self.engine.committed)
 

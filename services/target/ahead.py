@@ -7,6 +7,8 @@ which reaches both services' lanes and so shares their host and network namespac
 a thread drains the draft's answers (empty ones; a failure is kept by the draft for the collect). A lane that
 does not connect, or a write that fails, is reported (VerifyResponse.ahead_sent false) and the gateway sends
 that Propose itself; a lane that did not connect is not tried again (a restarted draft announces a new one).
+Its connection stays open: closing it with a push not yet read would drop that push (a lane does not run a call
+whose caller has gone), and the gateway's collect would wait for it in vain.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ log = logging.getLogger("tandem.target")
 METHOD = "tandem.v1.DraftService/Propose"
 LANE_PREFIX = "tandem-propose-"       # services/lane.py names a draft's lane so
 TIMEOUT_S = 2.0            # connecting, the lane's greeting, one write
+MAX_LANES = 16             # connections kept open (drafts this target's gateways name)
 
 
 def check(request: target_pb2.VerifyRequest) -> None:
@@ -48,10 +51,12 @@ def check(request: target_pb2.VerifyRequest) -> None:
 
 
 class AheadSender:
+    """One connection a draft lane, kept open (several gateways of this target may each name another draft: a
+    connection closed with a push unread would drop it, as the lane does not run a call whose caller left)."""
+
     def __init__(self):
-        self.sock: socket.socket | None = None
-        self.lane = ""                 # the lane self.sock is connected to
-        self.unreachable = ""          # the last lane that did not connect
+        self.socks: dict[str, socket.socket] = {}     # lane -> connection, the most recently used last
+        self.unreachable: set[str] = set()            # lanes that did not connect (at most MAX_LANES kept)
         self.sent = 0
 
     def send(self, ahead: target_pb2.ProposeAhead, emitted: dict[str, list[int]], rows) -> bool:
@@ -59,20 +64,23 @@ class AheadSender:
         request = draft_pb2.ProposeRequest(ahead_id=ahead.ahead_id, hidden_rows=[rows], items=[draft_pb2.ProposeItem(
             request_id=it.request_id, new_token_ids=emitted[it.request_id], num_draft_tokens=it.num_draft_tokens,
             position=it.position, rows_set=1) for it in ahead.items])
-        if self.lane != ahead.draft_lane:
-            self._close()
-            if ahead.draft_lane == self.unreachable or not self._connect(ahead.draft_lane):
-                return False
-        try:
-            self.sock.sendall(wire.frame(wire.REQUEST, request.SerializeToString()))
-        except OSError as e:
-            log.warning("the draft's lane %s broke (%s): the gateway sends its Propose itself", self.lane, e)
-            self._close()
+        lane = ahead.draft_lane
+        sock = self.socks.pop(lane, None)
+        if sock is None and (lane in self.unreachable or (sock := self._connect(lane)) is None):
             return False
+        try:
+            sock.sendall(wire.frame(wire.REQUEST, request.SerializeToString()))
+        except OSError as e:
+            log.warning("the draft's lane %s broke (%s): the gateway sends its Propose itself", lane, e)
+            _close(sock)
+            return False
+        self.socks[lane] = sock
+        while len(self.socks) > MAX_LANES:            # drafts gone long ago (a restarted one has a new lane)
+            _close(self.socks.pop(next(iter(self.socks))))
         self.sent += 1
         return True
 
-    def _connect(self, name: str) -> bool:
+    def _connect(self, name: str) -> socket.socket | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(TIMEOUT_S)
         try:
@@ -84,23 +92,23 @@ class AheadSender:
                 raise ConnectionError(f"the lane refused {METHOD}")
         except OSError as e:
             sock.close()
-            self.unreachable = name
+            if len(self.unreachable) >= MAX_LANES:
+                self.unreachable.clear()
+            self.unreachable.add(name)
             log.warning("the draft's lane %s is not reachable from the target (%s): the gateway sends the next "
                         "round's Propose itself", name, e)
-            return False
-        self.sock, self.lane = sock, name
+            return None
         threading.Thread(target=_drain, args=(sock,), name="ahead-drain", daemon=True).start()
         log.info("next rounds' Proposes go to the draft's lane %s", name)
-        return True
+        return sock
 
-    def _close(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self.sock.close()
-        self.sock, self.lane = None, ""
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 def _recv(sock: socket.socket, n: int, wait: bool = False) -> bytes | None:
