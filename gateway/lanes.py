@@ -66,7 +66,7 @@ class Lane:
             self.written_at = time.perf_counter()    # before the write: its await may return after the service has it
             await call.write(request)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:   # (the latter: the stream ended first)
-            return asyncio.ensure_future(self._failed(call, e, request, timeout))
+            return asyncio.ensure_future(self._failed(call, e, request, timeout, delivered=False))
         except BaseException:                   # cancelled by the caller
             self._lock.release()
             if call is not None:
@@ -115,25 +115,20 @@ class Lane:
             raise
         return read.result()
 
-    async def _failed(self, call, e: Exception, request, timeout: float | None):
+    async def _failed(self, call, e: Exception, request, timeout: float | None, delivered: bool = True):
         """The stream failed: dropped; raised as the unary call's error, or (UNIMPLEMENTED: an older
-        service) the call made unary, as every later one. A write that lost the race with the stream's end
-        (gRPC core's INTERNAL, or the call already over) takes the stream's own status."""
+        service) the call made unary, as every later one. A write that failed in gRPC's core (INTERNAL) or
+        found the stream already over lost the race with the stream's end (an older service's UNIMPLEMENTED,
+        a service gone): its message never left, so this call goes unary, which answers with the service's
+        own status (the next call tries the stream again)."""
         code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
-        if call is not None and code in (None, grpc.StatusCode.INTERNAL):
-            try:
-                code = await asyncio.wait_for(call.code(), 1.0)
-            except (asyncio.TimeoutError, grpc.aio.AioRpcError):
-                pass
         if call is not None:
             call.cancel()
         self._lock.release()
-        if code != grpc.StatusCode.UNIMPLEMENTED:
-            if not isinstance(e, grpc.aio.AioRpcError):
-                raise rpc_error(grpc.StatusCode.UNAVAILABLE if code in (None, grpc.StatusCode.OK) else code,
-                                f"{self.name}: the stream ended before the call was written") from None
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            self.streaming = False
+        elif delivered or code not in (None, grpc.StatusCode.INTERNAL):
             raise e
-        self.streaming = False
         return await self.unary(request, timeout=timeout)
 
     def legs(self, timing) -> tuple[float, float] | None:

@@ -151,11 +151,16 @@ class LateWrite:
         await self.call.write(request)
 
 
-def test_a_stream_ended_before_its_first_write_takes_the_streams_status():
+def test_a_write_that_loses_the_race_with_the_streams_end_goes_unary():
     """A service without the stream method ends the stream UNIMPLEMENTED; a write after that end (the call
-    already over) still makes the call unary, not an error of the round."""
+    already over, or gRPC core's INTERNAL) never left, so the call goes unary and is answered, not an error of
+    the round. A service that refuses the call refuses it unary too, with its own status."""
     async def body(lane):
         lane.open_stream = (lambda opened: lambda: LateWrite(opened()))(lane.open_stream)
-        return await lane(req("ok:2"), timeout=5), lane.streaming
-    resp, streaming = run(Target(), body)
-    assert resp.results[0].num_accepted == 2 and not streaming
+        ok = await lane(req("ok:2"), timeout=5)
+        try:
+            await lane(req("bad"), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            return ok, e.code()
+    ok, refused = run(Target(), body)
+    assert ok.results[0].num_accepted == 2 and refused == grpc.StatusCode.INVALID_ARGUMENT
