@@ -57,7 +57,6 @@ class AheadSender:
     def __init__(self):
         self.socks: dict[str, socket.socket] = {}     # lane -> connection, the most recently used last
         self.unreachable: set[str] = set()            # lanes that did not connect (at most MAX_LANES kept)
-        self.sent = 0
 
     def send(self, ahead: target_pb2.ProposeAhead, emitted: dict[str, list[int]], rows) -> bool:
         """Propose `ahead`'s items with their emitted tokens and the Verify's row set `rows` -> written."""
@@ -77,7 +76,6 @@ class AheadSender:
         self.socks[lane] = sock
         while len(self.socks) > MAX_LANES:            # drafts gone long ago (a restarted one has a new lane)
             _close(self.socks.pop(next(iter(self.socks))))
-        self.sent += 1
         return True
 
     def _connect(self, name: str) -> socket.socket | None:
