@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu | cuda (target cuda:0, draft cuda:1 if present)")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--quantization", default="auto", help="auto | none | fp8 (tandem serve --help)")
     p.add_argument("--synthetic-acceptance", default="", help="BENCHMARK ONLY: per-position acceptance, e.g. 0.85")
     p.add_argument("--ks", default="0,3")
     p.add_argument("--batches", default="1,32")
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from services.target.synthetic import parse_profile
     model = random_id(a) or str(a.model or default_model())
-    te, de = make_engines(model, a.device, a.dtype, synthetic_acceptance=parse_profile(a.synthetic_acceptance))
+    te, de = make_engines(model, a.device, a.dtype, synthetic_acceptance=parse_profile(a.synthetic_acceptance),
+                          quantization=a.quantization)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     for b in (int(x) for x in a.batches.split(",")):
         prompts = bench_prompts(model, b, a.prompt_tokens, seed=b)
