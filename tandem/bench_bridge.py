@@ -1,21 +1,30 @@
 """`tandem bench bridge`: the hidden-row bridge (services/bridge/channel.py) against bare torch.distributed.
 
-Two processes, target side on cuda:0 and draft side on cuda:1 (NCCL), or both on the CPU (gloo,
-`--device cpu`). For each batch B a transfer is B x (K+1) rows x hidden (bf16), what one round moves:
-  bridge: the draft's RowChannel.take(transfer_id) wall time (a pull through the store, the target's
-          ack, a header and the payload on the channel's stream), the rows parked by send() before;
-  bare:   rank 0's dist.send of the same bytes followed by a 4-byte dist.recv acknowledgement
-          (one round trip, synchronized), on a plain process group.
-Medians after --warmup transfers. Needs two GPUs for NCCL: with fewer it says so and exits 0.
+Two processes, target side on cuda:0 and draft side on cuda:1 (NCCL), both on cuda:0 (CUDA IPC, `--device
+cuda` with one GPU), or both on the CPU (gloo, or with `--transport shm` the shared-memory ring). For each batch B
+a transfer is B x (K+1) rows x hidden (bf16), what one round moves:
+  bridge: the draft's RowChannel.take(transfer_id) wall time (NCCL / gloo: a pull through the store, the
+          target's ack, a header and the payload on the channel's stream, the rows parked by send() before;
+          the rings (IPC, shm): the copy out of the slot the target pushed, its copy already done);
+  check:  rings only: the draft's finiteness check of the rows it took (services/bridge/rows.check_finite),
+          which its Propose runs next;
+  bare:   rank 0's dist.send of the same bytes followed by a 4-byte dist.recv acknowledgement (one round trip,
+          synchronized), on a plain process group; rings: the draft's own copy of the bytes on its device,
+          synchronized (NCCL refuses two ranks on one GPU).
+Medians after --warmup transfers.
 """
 from __future__ import annotations
 
 import argparse
+import queue
 import statistics
 import time
 
 from infra.defaults import NUM_SPECULATIVE_TOKENS
 from tandem.bench import write_results
+
+
+RINGS = ("ipc", "shm")                   # transports the target pushes into (no pulls): timed by _ring_worker
 
 
 def _tid(b: int, i: int) -> int:
@@ -34,17 +43,21 @@ def _worker(rank: int, cfg: dict, barrier, results) -> None:
     import torch
     import torch.distributed as dist
     from services.bridge.channel import RowChannel
-    cuda = cfg["device"] == "cuda"
-    dev = f"cuda:{rank}" if cuda else "cpu"
+    cuda, ring = cfg["device"] == "cuda", cfg["transport"] in RINGS
+    dev = "cuda:0" if cfg["transport"] == "ipc" else f"cuda:{rank}" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(dev)
-    backend, dtype = ("nccl" if cuda else "gloo"), getattr(torch, cfg["dtype"])
+    backend, dtype = cfg["transport"], getattr(torch, cfg["dtype"])
     n, warm = cfg["warmup"] + cfg["iters"], cfg["warmup"]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     shapes = {b: (b * (cfg["k"] + 1), cfg["hidden"]) for b in cfg["batches"]}
     ch = RowChannel(cfg["addr"], "sender" if rank == 0 else "receiver", backend, dev, hello={"bench": "bridge"})
     _wait_ready(ch)
-    out: dict[str, dict] = {"bridge": {}, "bare": {}}
+    out: dict[str, dict] = {"bridge": {}, "bare": {}, "check": {}}
+    if ring:
+        _ring_worker(rank, ch, shapes, n, warm, dtype, dev, sync, barrier, out)
+        results.put((rank, out))
+        return
     if rank == 0:
         for b, shape in shapes.items():                       # park every transfer before the pulls
             rows = torch.randn(shape, device=dev).to(dtype)
@@ -85,43 +98,90 @@ def _worker(rank: int, cfg: dict, barrier, results) -> None:
     results.put((rank, out))
 
 
-def run(device: str, batches: list[int], k: int, hidden: int, dtype: str, warmup: int, iters: int) -> list[dict]:
+def _ring_worker(rank: int, ch, shapes: dict, n: int, warm: int, dtype, dev: str, sync, barrier, out: dict) -> None:
+    """A ring (IPC, shm): the target pushes a transfer and waits for its copy, then the draft takes it (a ring holds
+    a few transfers, so they alternate); the draft also times its check and a bare copy of the same bytes."""
+    import torch
+    from services.bridge.rows import check_finite
+    for b, shape in shapes.items():
+        rows = torch.randn(shape, generator=torch.Generator().manual_seed(b)).to(dtype).to(dev)   # alike on both
+        took, checked, bare = [], [], []
+        for i in range(n):
+            if rank == 0:
+                ch.send(_tid(b, i), rows)
+                sync()
+                barrier.wait()
+                barrier.wait()
+                continue
+            barrier.wait()
+            t0 = time.perf_counter()
+            got = ch.take(_tid(b, i), 60.0)
+            t1 = time.perf_counter()
+            check_finite(got, "bench")
+            took.append(t1 - t0)
+            checked.append(time.perf_counter() - t1)
+            assert tuple(got.shape) == shape and torch.equal(got, rows), (got.shape, shape)
+            dst = torch.empty_like(rows)
+            sync()
+            t0 = time.perf_counter()
+            dst.copy_(rows)
+            sync()
+            bare.append(time.perf_counter() - t0)
+            barrier.wait()
+        if rank == 1:
+            for key, ts in (("bridge", took), ("check", checked), ("bare", bare)):
+                out[key][b] = statistics.median(ts[warm:])
+
+
+def run(device: str, batches: list[int], k: int, hidden: int, dtype: str, warmup: int, iters: int,
+        transport: str = "auto") -> list[dict]:
     import multiprocessing as mp
+
+    import torch
     from infra.ports import free_ports
     ctx = mp.get_context("spawn")
     port, port2 = free_ports(2)
-    cfg = dict(device=device, batches=batches, k=k, hidden=hidden, dtype=dtype, warmup=warmup, iters=iters,
-               addr=f"127.0.0.1:{port}", port2=port2)
+    if transport == "auto":
+        transport = "gloo" if device == "cpu" else "nccl" if torch.cuda.device_count() >= 2 else "ipc"
+    cfg = dict(device=device, transport=transport, batches=batches, k=k, hidden=hidden, dtype=dtype, warmup=warmup,
+               iters=iters, addr=f"127.0.0.1:{port}", port2=port2)
     barrier, results = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, cfg, barrier, results), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
-    got = {}
+    got, deadline = {}, time.monotonic() + 600
     try:
-        for _ in procs:
-            rank, out = results.get(timeout=600)
-            got[rank] = out
+        while len(got) < len(procs):
+            try:
+                rank, out = results.get(timeout=1.0)
+                got[rank] = out
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+                if dead or time.monotonic() > deadline:     # a worker failed (its traceback is on stderr)
+                    raise RuntimeError(f"bench bridge: worker {dead or 'timeout'} failed") from None
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    import torch
     elem = torch.finfo(getattr(torch, dtype)).bits // 8
     rows = []
     for b in batches:
         nbytes = b * (k + 1) * hidden * elem
-        bridge, bare = got[1]["bridge"][b], got[0]["bare"][b]
-        rows.append({"batch": b, "rows": b * (k + 1), "bytes": nbytes, "bridge_us": 1e6 * bridge,
+        bridge, bare = got[1]["bridge"][b], got[1 if transport in RINGS else 0]["bare"][b]
+        rows.append({"transport": transport, "batch": b, "rows": b * (k + 1), "bytes": nbytes,
+                     "bridge_us": 1e6 * bridge, "check_us": 1e6 * got[1]["check"].get(b, float("nan")),
                      "bare_us": 1e6 * bare, "ratio": bridge / bare, "bridge_gb_s": nbytes / bridge / 1e9})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| batch | rows (B x (K+1)) | bytes | bridge take µs | bare send + ack µs | bridge / bare | bridge GB/s |",
-             "|---|---|---|---|---|---|---|"]
+    ipc = rows and rows[0]["transport"] in RINGS
+    bare = "bare copy, synchronized µs" if ipc else "bare send + ack µs"
+    lines = [f"| batch | rows (B x (K+1)) | bytes | bridge take µs | {bare} | bridge / bare | bridge GB/s"
+             + (" | finiteness check µs |" if ipc else " |"), "|---|---|---|---|---|---|---|" + ("---|" if ipc else "")]
     lines += [f"| {r['batch']} | {r['rows']} | {r['bytes']} | {r['bridge_us']:.1f} | {r['bare_us']:.1f} | "
-              f"{r['ratio']:.2f} | {r['bridge_gb_s']:.2f} |" for r in rows]
+              f"{r['ratio']:.2f} | {r['bridge_gb_s']:.2f} |" + (f" {r['check_us']:.1f} |" if ipc else "") for r in rows]
     return "\n".join(lines)
 
 
@@ -133,18 +193,24 @@ def main(argv=None) -> int:
     p.add_argument("-k", type=int, default=NUM_SPECULATIVE_TOKENS, help="draft tokens per round: K+1 rows per request")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--transport", default="auto", choices=["auto", "gloo", "shm"],
+                   help="auto: NCCL (two GPUs), CUDA IPC (one), gloo (cpu); shm: the CPU's shared-memory ring")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--out", default="results/bridge")
     a = p.parse_args(argv)
     if a.device == "cuda":
         import torch
-        if torch.cuda.device_count() < 2:
-            print(f"tandem bench bridge: needs 2 GPUs for NCCL between cuda:0 and cuda:1, found "
-                  f"{torch.cuda.device_count()}; skipped (`--device cpu` runs it over gloo)")
+        if not torch.cuda.is_available():
+            print("tandem bench bridge: --device cuda without a GPU; skipped (`--device cpu` runs it over gloo)")
             return 0
-    rows = run(a.device, [int(x) for x in a.batches.split(",")], a.k, a.hidden, a.dtype, a.warmup, a.iters)
-    md = (f"Hidden-row bridge vs bare torch.distributed ({'NCCL cuda:0 -> cuda:1' if a.device == 'cuda' else 'gloo, cpu'}"
+    if a.transport != "auto" and a.device != "cpu":
+        p.error(f"--transport {a.transport} is a CPU transport; --device is {a.device}")
+    rows = run(a.device, [int(x) for x in a.batches.split(",")], a.k, a.hidden, a.dtype, a.warmup, a.iters,
+               a.transport)
+    where = {"nccl": "NCCL cuda:0 -> cuda:1", "ipc": "CUDA IPC, one GPU", "gloo": "gloo, cpu",
+             "shm": "shared-memory ring, cpu"}[rows[0]["transport"]]
+    md = (f"Hidden-row bridge vs a bare transfer ({where}"
           f"), hidden {a.hidden} {a.dtype}, K = {a.k}, medians of {a.iters} after {a.warmup}, "
           f"{time.strftime('%Y-%m-%d')}\n`tandem bench bridge {' '.join(argv or [])}`\n\n" + table(rows) + "\n")
     write_results(a.out, "bridge", md, rows)

@@ -169,6 +169,18 @@ def test_bench_bridge_over_gloo(tmp_path):
     assert [r["rows"] for r in rows] == [4, 32] and all(r["bridge_us"] > 0 and r["bare_us"] > 0 for r in rows)
 
 
+def test_bench_bridge_times_a_ring_take(tmp_path):
+    """The ring path (CUDA IPC on one GPU, here the CPU's shared-memory ring): pushed and taken in turn, each
+    transfer compared bitwise in the draft's worker, with the take's finiteness check timed beside it."""
+    from tandem.bench_bridge import main
+    assert main(["--device", "cpu", "--transport", "shm", "--batches", "1,8", "--warmup", "2", "--iters", "5",
+                 "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bridge.json").read_text())
+    assert [(r["transport"], r["rows"]) for r in rows] == [("shm", 4), ("shm", 32)]
+    assert all(r["bridge_us"] > 0 and r["bare_us"] > 0 and r["check_us"] > 0 for r in rows), rows
+    assert "shared-memory ring" in (tmp_path / "bridge.md").read_text()
+
+
 def test_cuda_graph_scratch_block_is_not_reported_as_used():
     # GraphedForward holds one cache block for its padding tokens' writes; GetInfo must not count it as
     # used, or an idle GPU service looks like it leaked a block (free != total with no request running)

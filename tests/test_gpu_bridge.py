@@ -199,3 +199,16 @@ if __name__ == "__main__":
     {"sender": sender, "receiver": receiver}[sys.argv[1]](sys.argv[2])
     sys.stdout.flush()
     os._exit(0)          # the bridge thread still waits in the store; CUDA teardown order is not under test here
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="one GPU: two GPUs measure NCCL")
+def test_bench_bridge_measures_the_ipc_take(tmp_path):
+    """`tandem bench bridge --device cuda` on one GPU: the draft takes each pushed transfer (bitwise checked in
+    the worker) and times the take, its finiteness check and a bare copy of the same bytes."""
+    from tandem.bench_bridge import main
+    assert main(["--device", "cuda", "--batches", "1,32", "--warmup", "2", "--iters", "6", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bridge.json").read_text())
+    assert [(r["transport"], r["rows"]) for r in rows] == [("ipc", 4), ("ipc", 128)]
+    assert all(r["bridge_us"] > 0 and r["bare_us"] > 0 and r["check_us"] > 0 for r in rows), rows
+    assert "finiteness check" in (tmp_path / "bridge.md").read_text()
