@@ -8,6 +8,7 @@ itself needs CUDA: tests/test_gpu_bridge.py.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -209,3 +210,22 @@ def test_serve_passes_the_ipc_ring_size_to_the_target(monkeypatch):
     cmds = {n: c for n, c, _ in serve.commands(serve.parse(["--device", "cuda", "--bridge-ipc-mib", "64"]))}
     assert flags(cmds["target"], "--bridge-ipc-mib") == "64"
     assert "--bridge-ipc-mib" not in cmds["draft"] and "--bridge-ipc-mib" not in cmds["gateway"]
+
+
+def test_rows_finiteness_check_names_the_first_bad_row_and_passes_large_finite_rows():
+    from services.bridge.rows import ContractError, check_finite
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = torch.randn(6, 64).to(dtype)
+        check_finite(rows, "ok")
+        check_finite(rows[:0], "empty")
+        for bad in (math.nan, math.inf, -math.inf):
+            poisoned = rows.clone()
+            poisoned[4, 7] = bad
+            poisoned[2, 0] = bad
+            want = r"rows holds non-finite values \(NaN or inf\) in 2 of 6 rows, first at row 2"
+            with pytest.raises(ContractError, match=want):
+                check_finite(poisoned, "rows")
+    huge = torch.full((4, 64), 3e38)                 # finite, but their fp32 sum overflows: not refused
+    check_finite(huge, "huge")
+    huge[3, 1] = -3e38                               # +inf and -inf sums in one tensor: still finite rows
+    check_finite(huge, "huge")
