@@ -1,20 +1,20 @@
 """One entry point per kernel: the Triton kernel when its tensors are on CUDA and Triton imports, else the
 PyTorch reference. Callers (services, models) import from here.
 
-TANDEM_KERNELS=auto (default) | reference | triton forces the choice, read at each call: reference everywhere,
-or Triton everywhere (an error if it does not import; CPU tensors need TRITON_INTERPRET=1 set before the kernels
-are first imported: the interpreter, for tests). The two agree exactly (tests/test_triton_kernels.py), so the
-choice changes speed, never tokens. The model's kernels (paged MLA attention, fused MoE:
-tests/test_model_kernels.py) follow the same switch and agree with their references to rounding.
-TANDEM_ATTENTION=auto (default) | reference | triton | flashinfer picks the attention backend on its own: auto
-is FlashInfer where it imports and covers the shapes, else whatever TANDEM_KERNELS picks.
+TANDEM_KERNELS=auto (default) | reference | triton forces the choice, read at each call: reference everywhere, or
+Triton everywhere (an error if it does not import; CPU tensors need TRITON_INTERPRET=1 set before the kernels are
+first imported: the interpreter, for tests). The two agree exactly (tests/test_triton_kernels.py), so the choice
+changes speed, never tokens. The model's kernels (paged MLA attention, fused MoE: tests/test_model_kernels.py) follow
+the same switch and agree with their references to rounding. TANDEM_ATTENTION=auto (default) | reference | triton |
+flashinfer picks the attention backend on its own: auto is FlashInfer where it imports and covers the shapes, else
+whatever TANDEM_KERNELS picks.
 
 Prefill steps (eager, some request bringing more than PREFILL_MIN_ROWS query rows) take their own path:
-TANDEM_PREFILL=auto (default) | off | absorbed | expanded. absorbed: the flash-style Triton kernel over the
-latent cache (kernels/triton_mla_prefill.py); expanded: keys and values up-projected per head, then causal
-attention (kernels/mla_expanded.py); off: the paged attention, as decode and verify steps. auto is
-PREFILL_AUTO on CUDA wherever the attention backend is not the reference, off elsewhere. Decode, verify and
-CUDA-graph steps (a forced AttentionBatch.attention_backend) never take it.
+TANDEM_PREFILL=auto (default) | off | absorbed | expanded. absorbed: the flash-style Triton kernel over the latent
+cache (kernels/triton_mla_prefill.py); expanded: keys and values up-projected per head, then causal attention
+(kernels/mla_expanded.py); off: the paged attention, as decode and verify steps. auto is PREFILL_AUTO on CUDA
+wherever the attention backend is not the reference, off elsewhere. Decode, verify and CUDA-graph steps (a forced
+AttentionBatch.attention_backend) never take it.
 """
 from __future__ import annotations
 
@@ -100,14 +100,15 @@ def attention_backend(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor
     return "flashinfer" if flashinfer_mla.supported(q_lat, q_pe, ckv) else "triton"
 
 
-def paged_attention(q_lat, q_pe, batch, ckv, kpe, scale: float) -> torch.Tensor:
-    """q_lat: [N, h, R], q_pe: [N, h, P] over one layer's paged cache (batch: a models.kv_cache.AttentionBatch)
-    -> [N, h, R], on the batch's forced backend (CUDA graphs: triton) or the one attention_backend() picks."""
+def paged_attention(q_lat, q_pe, batch, ckv, kpe, scale: float, arrivals=None) -> torch.Tensor:
+    """q_lat [N, h, R], q_pe [N, h, P] over one layer's paged cache (batch: a models.kv_cache.AttentionBatch) -> [N, h,
+    R], on the batch's forced backend (graphs: triton) or attention_backend()'s; arrivals: PagedKVCache.arrivals."""
     backend = batch.attention_backend or attention_backend(q_lat, q_pe, ckv)
     if backend == "triton":
         from kernels.triton_mla import mla_attention_triton
+        merged = arrivals if os.environ.get("TANDEM_ATTENTION_MERGE", "1").strip() != "0" else None   # 0: 2 launches
         return mla_attention_triton(q_lat, q_pe, ckv, kpe, batch.block_tables, batch.token_request,
-                                    batch.positions, batch.context_lens, scale)
+                                    batch.positions, batch.context_lens, scale, arrivals=merged)
     if backend == "flashinfer":
         from kernels import flashinfer_mla
         if "flashinfer" not in batch.plans:          # once per step, shared by every layer
@@ -174,9 +175,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     One launch in Triton, whose outputs are the first rows of `pad`-row buffers (kernels/triton_norm.padded)."""
     if use_triton(x) and _inference(x, weight):
         return _mod("triton_norm").rms_norm(x, weight, eps, residual, pad)
-    if residual is not None:
-        return _ref_norm.add_rms_norm(x, residual, weight, eps)
-    return _ref_norm.rms_norm(x, weight, eps)
+    return _ref_norm.rms_norm(x, weight, eps) if residual is None else _ref_norm.add_rms_norm(x, residual, weight, eps)
 
 
 def silu_mul(gu: torch.Tensor, pad: int = 0) -> torch.Tensor:

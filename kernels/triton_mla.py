@@ -9,7 +9,8 @@ kv_len is 0 (graph padding: point it at a request of context length 0) writes ze
 One program per (query row, block of BLOCK_H heads, split of the keys): the heads share every key (MLA
 has one latent KV head), so a key tile [BLOCK_N, R] is loaded once and feeds both dot products. With
 S > 1 splits (few rows, long contexts: decode) each split's unnormalized (acc, max, sum) goes to an fp32
-workspace and `_combine_kernel` merges them. The grid (N, cdiv(h, BLOCK_H), S) and S come from shapes
+workspace and `_combine_kernel` merges them; given counters (`arrivals`) the split that arrives last merges them
+in the same launch instead (splits with no key exit, a row of one split writes its output at once; same bits). The grid (N, cdiv(h, BLOCK_H), S) and S come from shapes
 alone and nothing is read back to the host: launchable inside a CUDA graph.
 Runs compiled on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests).
 """
@@ -64,7 +65,7 @@ def _mla_kernel(ql_ptr, qp_ptr, ckv_ptr, kpe_ptr, bt_ptr, req_ptr, pos_ptr, clen
                 H, R, P, block_size, scale_log2,
                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                 SPLITS: tl.constexpr, PER_MIN: tl.constexpr, KV_TILES: tl.constexpr,
-                DYNAMIC_LOOP: tl.constexpr, PRECISION: tl.constexpr):
+                DYNAMIC_LOOP: tl.constexpr, PRECISION: tl.constexpr, cnt_ptr=None, MERGE: tl.constexpr = False):
     n = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -78,6 +79,10 @@ def _mla_kernel(ql_ptr, qp_ptr, ckv_ptr, kpe_ptr, bt_ptr, req_ptr, pos_ptr, clen
     t0 = split * per
     t1 = tl.minimum(t0 + per, tl.cdiv(kv_len, BLOCK_N))
     lo, hi = t0 * BLOCK_N, tl.minimum(t1 * BLOCK_N, kv_len)                       # this split's keys
+    live = tl.maximum(tl.cdiv(tl.cdiv(kv_len, BLOCK_N), per), 1)                  # splits with keys (and split 0)
+    if MERGE:
+        if split >= live:                 # no key here: nothing to merge (two launches: the combine reads m = -inf)
+            return
     q = tl.load(ql_ptr + n * s_qln + heads[:, None] * s_qlh + r[None, :], mask=hm[:, None] & rm[None, :],
                 other=0.0)                                                        # [BH, BR]
     qp = tl.load(qp_ptr + n * s_qpn + heads[:, None] * s_qph + p[None, :], mask=hm[:, None] & pm[None, :],
@@ -99,9 +104,21 @@ def _mla_kernel(ql_ptr, qp_ptr, ckv_ptr, kpe_ptr, bt_ptr, req_ptr, pos_ptr, clen
                                       BLOCK_N, PRECISION)
     omask = hm[:, None] & rm[None, :]
     if SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                          # kv_len 0: zeros
-        tl.store(out_ptr + n * s_on + heads[:, None] * s_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=omask)
+        _finish(acc, l_i, out_ptr + n * s_on + heads[:, None] * s_oh + r[None, :], omask)
+    elif MERGE:
+        if live == 1:         # the row's one split: its own output, the bits a merge of one split gives
+            _finish(acc, l_i, out_ptr + n * s_on + heads[:, None] * s_oh + r[None, :], omask)
+        else:                 # the split that arrives last for its (row, head block) merges the row's splits
+            row = (n * SPLITS + split) * H + heads
+            tl.store(ws_ptr + row[:, None] * BLOCK_R + r[None, :], acc, mask=omask)
+            tl.store(ml_ptr + row * 2, m_i, mask=hm)
+            tl.store(ml_ptr + row * 2 + 1, l_i, mask=hm)
+            tl.debug_barrier()                                                    # this program's stores issued
+            slot = n * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel") == live - 1:
+                tl.store(cnt_ptr + slot, 0)                                       # ready for the next launch
+                _merge(ws_ptr, ml_ptr, out_ptr, n, heads, hm, r, omask, s_on, s_oh, H, live, BLOCK_R, SPLITS,
+                       DYNAMIC_LOOP)
     else:                                                 # ws [N, S, H, BLOCK_R], ml [N, S, H, 2] fp32
         row = (n * SPLITS + split) * H + heads
         # a split with no key writes only m = -inf: the combine skips its partial sums
@@ -112,31 +129,69 @@ def _mla_kernel(ql_ptr, qp_ptr, ckv_ptr, kpe_ptr, bt_ptr, req_ptr, pos_ptr, clen
 
 
 @triton.jit
+def _finish(acc, l_i, out_ptrs, omask):
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                              # kv_len 0: zeros
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=omask)
+
+
+@triton.jit
 def _combine_kernel(ws_ptr, ml_ptr, out_ptr, s_on, s_oh, H, R,
                     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SPLITS: tl.constexpr):
-    # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s (splits with no key: m_s = -inf,
-    # their partial sums neither written nor read); one program per (row, head block, BLOCK_C columns)
+    # one program per (row, head block, BLOCK_C columns)
     n = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = heads < H
     r = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    omask = hm[:, None] & (r < R)[None, :]
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(SPLITS):
-        m = tl.maximum(m, tl.load(ml_ptr + ((n * SPLITS + s) * H + heads) * 2, mask=hm, other=float("-inf")))
+    _merge(ws_ptr, ml_ptr, out_ptr, n, heads, hm, r, hm[:, None] & (r < R)[None, :], s_on, s_oh, H, SPLITS, BLOCK_R,
+           SPLITS)
+
+
+@triton.jit
+def _merge(ws_ptr, ml_ptr, out_ptr, n, heads, hm, r, omask, s_on, s_oh, H, live, BLOCK_R: tl.constexpr,
+           SPLITS: tl.constexpr, DYNAMIC: tl.constexpr = False):
+    # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s over the first `live` splits (splits
+    # with no key: m_s = -inf, their partial sums neither read nor added), over columns r of row n's heads, in a
+    # fixed order; DYNAMIC (compiled): a loop of `live` steps, else of SPLITS, the rest masked (the same sums);
+    # read past L1 (.cg): merged inside the attention kernel, other programs of the same launch wrote them
+    m = tl.full(heads.shape, float("-inf"), tl.float32)
+    if DYNAMIC:
+        for s in range(live):
+            m = _split_max(m, ml_ptr, n, s, heads, hm, live, H, SPLITS)
+    else:
+        for s in range(SPLITS):
+            m = _split_max(m, ml_ptr, n, s, heads, hm, live, H, SPLITS)
     m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    for s in range(SPLITS):
-        row = (n * SPLITS + s) * H + heads
-        ms = tl.load(ml_ptr + row * 2, mask=hm, other=float("-inf"))
-        w = tl.exp2(ms - m)
-        l += w * tl.load(ml_ptr + row * 2 + 1, mask=hm, other=0.0)
-        live = ms > float("-inf")                                                 # the split saw a key
-        acc += w[:, None] * tl.load(ws_ptr + row[:, None] * BLOCK_R + r[None, :], mask=omask & live[:, None],
-                                    other=0.0)
+    acc = tl.zeros([heads.shape[0], r.shape[0]], tl.float32)
+    l = tl.zeros(heads.shape, tl.float32)
+    if DYNAMIC:
+        for s in range(live):
+            acc, l = _split_add(acc, l, m, ws_ptr, ml_ptr, n, s, heads, hm, r, omask, live, H, BLOCK_R, SPLITS)
+    else:
+        for s in range(SPLITS):
+            acc, l = _split_add(acc, l, m, ws_ptr, ml_ptr, n, s, heads, hm, r, omask, live, H, BLOCK_R, SPLITS)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + n * s_on + heads[:, None] * s_oh + r[None, :], out.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _split_max(m, ml_ptr, n, s, heads, hm, live, H, SPLITS: tl.constexpr):
+    mine = hm & (heads * 0 + s < live)                                            # [BH], one value
+    return tl.maximum(m, tl.load(ml_ptr + ((n * SPLITS + s) * H + heads) * 2, mask=mine, other=float("-inf"),
+                                 cache_modifier=".cg"))
+
+
+@triton.jit
+def _split_add(acc, l, m, ws_ptr, ml_ptr, n, s, heads, hm, r, omask, live, H, BLOCK_R: tl.constexpr,
+               SPLITS: tl.constexpr):
+    row = (n * SPLITS + s) * H + heads
+    mine = hm & (heads * 0 + s < live)
+    ms = tl.load(ml_ptr + row * 2, mask=mine, other=float("-inf"), cache_modifier=".cg")
+    w = tl.exp2(ms - m)
+    l += w * tl.load(ml_ptr + row * 2 + 1, mask=mine, other=0.0, cache_modifier=".cg")
+    keys = ms > float("-inf")                                                     # the split saw a key
+    acc += w[:, None] * tl.load(ws_ptr + row[:, None] * BLOCK_R + r[None, :], mask=omask & keys[:, None],
+                                other=0.0, cache_modifier=".cg")
+    return acc, l
 
 
 SPLITS_MAX, SPLIT_TILES_MIN = 16, 2     # a row's keys: at most 16 splits, each at least 2 key tiles
@@ -156,12 +211,16 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Ten
                          block_tables: torch.Tensor, token_request: torch.Tensor, positions: torch.Tensor,
                          context_lens: torch.Tensor, scale: float, max_context: int | None = None,
                          out: torch.Tensor | None = None, splits: int | None = None,
-                         block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                         block_n: int | None = None, num_warps: int | None = None,
+                         arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """q_lat [N, h, R], q_pe [N, h, P], ckv [blocks, block_size, R], kpe [blocks, block_size, P],
     block_tables [B, max_blocks] int32, token_request [N], positions [N], context_lens [B] -> [N, h, R].
 
     max_context bounds the keys a row may see (default: the table's capacity); it sizes the key splits
-    and is the interpreter's loop bound. `out` may be a static buffer (CUDA graphs)."""
+    and is the interpreter's loop bound. `out` may be a static buffer (CUDA graphs). `arrivals`: int32 zeros, at
+    least N * cdiv(h, BLOCK_H) of them (models/kv_cache.PagedKVCache.arrivals; left zero after each launch; one
+    stream at a time): the splits are merged by the last of them to arrive, in the same launch and the same
+    order as `_combine_kernel` (same bits), one launch instead of two."""
     N, H, R = q_lat.shape
     P = q_pe.shape[-1]
     assert ckv.stride(-1) == 1 and kpe.stride(-1) == 1 and q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1
@@ -180,6 +239,7 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Ten
     ws = torch.empty(N * splits * H * block_r if splits > 1 else 1, dtype=torch.float32, device=q_lat.device)
     ml = torch.empty(N * splits * H * 2 if splits > 1 else 1, dtype=torch.float32, device=q_lat.device)
     grid = (N, triton.cdiv(H, block_h), splits)
+    merge = splits > 1 and arrivals is not None and arrivals.numel() >= N * grid[1]
     _mla_kernel[grid](q_lat, q_pe, ckv, kpe, block_tables, token_request, positions, context_lens, out, ws, ml,
                       q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), ckv.stride(0),
                       ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0), out.stride(0),
@@ -187,9 +247,9 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Ten
                       BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(P)),
                       SPLITS=splits, PER_MIN=per_min,
                       KV_TILES=0 if q_lat.is_cuda else triton.cdiv(max_context, block_n),
-                      DYNAMIC_LOOP=q_lat.is_cuda, PRECISION=dot_precision(q_lat),
-                      num_warps=num_warps or (8 if block_r >= 256 else 4), num_stages=2)
-    if splits > 1:
+                      DYNAMIC_LOOP=q_lat.is_cuda, PRECISION=dot_precision(q_lat), cnt_ptr=arrivals if merge else None,
+                      MERGE=merge, num_warps=num_warps or (8 if block_r >= 256 else 4), num_stages=2)
+    if splits > 1 and not merge:
         combine_splits(ws, ml, out, block_h, block_r, splits)
     return out
 

@@ -79,7 +79,7 @@ class MLAttention(nn.Module):
         if form == "absorbed":
             out_lat = dispatch.prefill_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)   # [N, h, R]
         elif picks is None:
-            out_lat = dispatch.paged_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)   # [N, h, R]
+            out_lat = dispatch.paged_attention(q_lat, q_pe, batch, ckv, kpe, self.scale, kv.arrivals)   # [N, h, R]
         else:                                                                     # only the selected keys
             out_lat = dispatch.sparse_mla(q_lat, q_pe, ckv, kpe, batch.block_tables, batch.token_request,
                                           picks, self.scale, batch.attention_backend)

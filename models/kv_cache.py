@@ -39,6 +39,7 @@ class LayerKV(NamedTuple):
     kpe: torch.Tensor
     index_k: torch.Tensor | None = None
     index_scale: torch.Tensor | None = None
+    arrivals: torch.Tensor | None = None    # int32, zero between launches: the split attention's counters
 
 
 class PrefixHit(NamedTuple):
@@ -151,6 +152,7 @@ class PagedKVCache:
                                    dtype=torch.float8_e4m3fn if deployed else dtype) if index_head_dim else None
         self.index_scale = (torch.zeros(num_layers, num_blocks, block_size, dtype=torch.float32, device=device)
                             if deployed else None)
+        self.arrivals = torch.zeros(1 << 15, dtype=torch.int32, device=device)   # kernels/triton_mla.py's counters
         self.pool = BlockPool(num_blocks, block_size)
         self._tables: dict[str, list[int]] = {}
         self._lengths: dict[str, int] = {}
@@ -159,7 +161,7 @@ class PagedKVCache:
 
     def layer(self, i: int) -> LayerKV:
         return LayerKV(self.ckv[i], self.kpe[i], None if self.index_k is None else self.index_k[i],
-                       None if self.index_scale is None else self.index_scale[i])
+                       None if self.index_scale is None else self.index_scale[i], self.arrivals)
 
     # --- bookkeeping -------------------------------------------------------------------------
     @property

@@ -58,6 +58,24 @@ def test_dense_row_alone_equals_the_row_among_others(dev, launches):
     assert dev == "cuda" or launches["_combine_kernel"] == 3           # the splits were merged each time
 
 
+def test_splits_merged_inside_the_attention_launch(dev, launches):
+    """With counters (models/kv_cache.PagedKVCache.arrivals) the split of a (row, head block) that arrives last
+    merges them: the same bits as the combine kernel, one launch instead of two, and every counter back at zero
+    for the next launch; too few counters for the launch's rows: the combine kernel, as without. Rows of 8, 3 and
+    one key tile (c: one split, written as it is)."""
+    cache, batch, ql, qp = case(dev, {"a": 120, "b": 40, "c": 10}, {"a": 1, "b": 4, "c": 1})
+    args = (ql, qp, cache.ckv[0], cache.kpe[0], batch.block_tables, batch.token_request, batch.positions,
+            batch.context_lens, 0.2)
+    two = mla_attention_triton(*args, block_n=BN)
+    arrivals = torch.zeros(ql.shape[0], dtype=torch.int32, device=dev)           # one head block a row
+    for _ in range(2):
+        one = mla_attention_triton(*args, block_n=BN, arrivals=arrivals)
+        assert torch.equal(one, two) and not arrivals.any()
+    assert dev == "cuda" or launches["_combine_kernel"] == 1
+    assert torch.equal(mla_attention_triton(*args, block_n=BN, arrivals=arrivals[:-1]), two)
+    assert dev == "cuda" or launches["_combine_kernel"] == 2
+
+
 def test_sparse_row_alone_equals_the_row_among_others(dev, launches):
     """The same for the sparse kernel: a row of 200 picks (13 tiles) alone and among five rows."""
     cache, batch, ql, qp = case(dev, {"a": 300, "b": 240}, {"a": 1, "b": 4})
