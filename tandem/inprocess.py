@@ -15,6 +15,7 @@ import threading
 import grpc
 
 from infra.defaults import MAX_DRAFT_TOKENS
+from services.bridge.rows import check_finite
 from services.config import ServiceConfig
 from services.draft.server import DraftServicer
 from services.ranks import RankGroup
@@ -46,9 +47,12 @@ class TensorChannel:
         with self.lock:
             self.rows[transfer_id] = rows.to(self.device, non_blocking=True)
 
-    def take(self, transfer_id: int, timeout_s: float):
+    def take(self, transfer_id: int, timeout_s: float, field: str | None = None):
         with self.lock:
-            return self.rows.pop(transfer_id)
+            rows = self.rows.pop(transfer_id)
+        if field:                                   # checked finite, as RowChannel.take does
+            check_finite(rows, field)
+        return rows
 
     def discard(self, transfer_id: int) -> None:
         with self.lock:

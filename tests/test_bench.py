@@ -177,7 +177,8 @@ def test_bench_bridge_times_a_ring_take(tmp_path):
                  "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bridge.json").read_text())
     assert [(r["transport"], r["rows"]) for r in rows] == [("shm", 4), ("shm", 32)]
-    assert all(r["bridge_us"] > 0 and r["bare_us"] > 0 and r["check_us"] > 0 for r in rows), rows
+    assert all(r["bridge_us"] > 0 and r["bare_us"] > 0 and r["check_us"] > 0 and r["checked_take_us"] > 0
+               for r in rows), rows
     assert "shared-memory ring" in (tmp_path / "bridge.md").read_text()
 
 

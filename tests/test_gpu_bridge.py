@@ -3,7 +3,8 @@
 (a) Two real processes on cuda:0 pair a RowChannel each (both ask for auto: they must settle on
     ipc) and move frames of several row counts in bf16, fp16 and fp32; every frame arrives bitwise
     equal; a take of a transfer never sent is a LookupError and the channel stays in step; rows over
-    a ring slot do not fit (the target sends those inline).
+    a ring slot do not fit (the target sends those inline); the draft's checked take (its finiteness
+    check enqueued before the take's one sync) passes every frame and refuses one holding a NaN.
 (b) `tandem serve --device cuda --draft-device cuda:0 -k 3`: greedy K=3 equals K=0, and a Propose
     whose descriptor disagrees with the draft's bookkeeping over the BRIDGE (IPC) transport is
     INVALID_ARGUMENT naming both counts.
@@ -39,10 +40,19 @@ BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: 
 HELLO = {"model_identity": "sha256:gpu-bridge", "contract_version": "test"}
 
 
+POISONED = 2                     # CASES[2] holds a NaN at row 5: moved bit for bit, refused by a checked take
+
+
 def expected_rows(i: int) -> torch.Tensor:
     n, dtype = CASES[i]
     g = torch.Generator().manual_seed(1000 + i)
     return (torch.randn(n, HIDDEN, generator=g) * 3).to(dtype)
+
+
+def poison(i: int, rows: torch.Tensor) -> torch.Tensor:
+    if i == POISONED:
+        rows[5, 3] = float("nan")     # written the same way on both sides: the same bits
+    return rows
 
 
 # --- (a) the worker processes --------------------------------------------------------------------------
@@ -74,7 +84,7 @@ def sender(addr: str) -> None:
         src = expected_rows(i).to("cuda:0")
         rows = torch.zeros_like(src)
         torch.cuda._sleep(20_000_000)  # rows complete only after a while on this stream: send must wait for it
-        rows.add_(src)
+        poison(i, rows.add_(src))
         ch.send(i + 1, rows)
         del rows, src                  # the channel's copy into the slot still runs after this
     _report(transport=ch.transport, fits_big=fits_big, refused=refused)
@@ -93,12 +103,21 @@ def receiver(addr: str) -> None:
     except LookupError:
         pass
     for i in range(len(CASES)):
-        got, want = ch.take(i + 1, timeout_s=30), expected_rows(i)
+        got, want = ch.take(i + 1, timeout_s=30), poison(i, expected_rows(i))
         if got.device != torch.device("cuda:0") or got.dtype != want.dtype or got.shape != want.shape:
             bad.append(f"transfer {i + 1}: got {got.dtype} {tuple(got.shape)} on {got.device}, "
                        f"expected {want.dtype} {tuple(want.shape)} on cuda:0")
         elif not torch.equal(got.cpu().view(BITS[want.dtype]), want.view(BITS[want.dtype])):
             bad.append(f"transfer {i + 1} ({CASES[i][0]} rows of {want.dtype}): bits differ")
+        elif i != POISONED and not torch.equal(ch.take(i + 1, timeout_s=30, field=f"t{i + 1}").cpu(), want):
+            bad.append(f"transfer {i + 1}: the checked take differs")
+    from services.bridge.rows import ContractError
+    try:
+        ch.take(POISONED + 1, timeout_s=30, field="poisoned")
+        bad.append("a frame holding a NaN passed the checked take")
+    except ContractError as e:
+        if "poisoned holds non-finite values (NaN or inf) in 1 of 64 rows, first at row 5" not in str(e):
+            bad.append(f"the checked take's error: {e}")
     _report(transport=ch.transport, bad=bad, taken=len(CASES))
 
 
@@ -205,10 +224,12 @@ if __name__ == "__main__":
 @pytest.mark.skipif(torch.cuda.device_count() > 1, reason="one GPU: two GPUs measure NCCL")
 def test_bench_bridge_measures_the_ipc_take(tmp_path):
     """`tandem bench bridge --device cuda` on one GPU: the draft takes each pushed transfer (bitwise checked in
-    the worker) and times the take, its finiteness check and a bare copy of the same bytes."""
+    the worker) and times the take, its finiteness check after it, the checked take (one sync) and a bare copy of
+    the same bytes."""
     from tandem.bench_bridge import main
     assert main(["--device", "cuda", "--batches", "1,32", "--warmup", "2", "--iters", "6", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bridge.json").read_text())
     assert [(r["transport"], r["rows"]) for r in rows] == [("ipc", 4), ("ipc", 128)]
-    assert all(r["bridge_us"] > 0 and r["bare_us"] > 0 and r["check_us"] > 0 for r in rows), rows
-    assert "finiteness check" in (tmp_path / "bridge.md").read_text()
+    assert all(r["bridge_us"] > 0 and r["bare_us"] > 0 and r["check_us"] > 0 and r["checked_take_us"] > 0
+               for r in rows), rows
+    assert "checked take (one sync)" in (tmp_path / "bridge.md").read_text()

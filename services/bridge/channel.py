@@ -38,7 +38,7 @@ import torch
 from services.bridge.generations import FOREVER, Generations
 from services.bridge.ipc import DEFAULT_CAPACITY, IpcReceiver, IpcSender
 from services.bridge.link import Link
-from services.bridge.rows import DTYPE_TO_PB, PB_TO_DTYPE
+from services.bridge.rows import DTYPE_TO_PB, PB_TO_DTYPE, check_finite, finite_flag
 from services.bridge.shm import ShmReceiver, ShmSender
 from services.bridge.transport import TRANSPORTS
 
@@ -117,17 +117,20 @@ class RowChannel(Generations):
             link.pulls += 1
 
     # --- receiver (draft) ----------------------------------------------------------------------
-    def take(self, transfer_id: int, timeout_s: float) -> torch.Tensor:
+    def take(self, transfer_id: int, timeout_s: float, field: str | None = None) -> torch.Tensor:
         """The rows of `transfer_id` [N, D] (IPC: from its ring slot; else pulled); LookupError when the
-        target no longer holds them, TimeoutError if it does not answer (the draft then joins again)."""
+        target no longer holds them, TimeoutError if it does not answer (the draft then joins again). `field`:
+        the rows are checked finite (rows.check_finite names it), on the IPC ring before the take's one sync."""
         if self.error or not self._ready.wait(timeout_s) or self.error:    # a failed channel answers at once
             raise TimeoutError("hidden rows bridge not connected" + (f": {self.error}" if self.error else ""))
         with self._lock:                              # one pull at a time, in order
             link = self._link
             if link is None:
                 raise TimeoutError("hidden rows bridge not connected (joining again)")
+            flag = []
             if isinstance(link.ipc, RINGS_TAKEN):
-                got = link.ipc.take(transfer_id, self._stream)
+                got = link.ipc.take(transfer_id, self._stream, (
+                    lambda out, code: flag.append(finite_flag(_typed(out, PB_TO_DTYPE[code])))) if field else None)
             else:
                 n_rows, row_bytes, code, payload = self._pull(link, transfer_id, timeout_s)
         if isinstance(link.ipc, RINGS_TAKEN):
@@ -137,10 +140,13 @@ class RowChannel(Generations):
             payload, code = got
             if payload.is_cuda:
                 payload.record_stream(torch.cuda.current_stream(payload.device))
+            rows = _typed(payload, PB_TO_DTYPE[code])
+        else:
             dtype = PB_TO_DTYPE[code]
-            return payload.view(dtype).reshape(payload.shape[0], payload.shape[1] // dtype.itemsize)
-        dtype = PB_TO_DTYPE[code]
-        return payload.view(dtype).reshape(n_rows, row_bytes // dtype.itemsize).to(self.device)
+            rows = payload.view(dtype).reshape(n_rows, row_bytes // dtype.itemsize).to(self.device)
+        if field:
+            check_finite(rows, field, flag[0] if flag else None)
+        return rows
 
     def _pull(self, link: Link, transfer_id: int, timeout_s: float):
         """Ask the target for a transfer and receive its frame (under the lock). A pull that fails other
@@ -175,6 +181,11 @@ class RowChannel(Generations):
 
     def discard(self, transfer_id: int) -> None:
         """Receiver side: nothing to free (NCCL / gloo move rows only when pulled; an IPC slot is reused)."""
+
+
+def _typed(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # [N, bytes per row] uint8 -> [N, D] of dtype (a view)
+    return payload.view(dtype).reshape(payload.shape[0], payload.shape[1] // dtype.itemsize)
 
 
 def _on(stream):

@@ -169,9 +169,10 @@ class IpcReceiver:
     def answer(self) -> str:
         return json.dumps({"read": [_hex(e.ipc_handle()) for e in self.read]})
 
-    def take(self, tid: int, stream: torch.cuda.Stream):
+    def take(self, tid: int, stream: torch.cuda.Stream, then=None):
         """-> (rows [N, bytes per row] uint8, dtype code), or None when transfer `tid` is not (or no
-        longer) in its slot. Synchronizes `stream`: the rows are complete when returned."""
+        longer) in its slot. Synchronizes `stream`: the rows are complete when returned; then(rows, code), if
+        given, enqueues more work on the stream before that one sync."""
         slot = tid % self.slots
         seen, n_rows, row_bytes, code = self.headers.read(slot)
         if seen != tid:
@@ -181,6 +182,8 @@ class IpcReceiver:
             start = slot * self.slot_bytes
             out = self.buf[start:start + n_rows * row_bytes].view(n_rows, row_bytes).clone()
             self.read[slot].record(stream)
+            if then is not None:
+                then(out, code)
         stream.synchronize()
         return (out, code) if self.headers.tid(slot) == tid else None    # overwritten meanwhile: gone
 

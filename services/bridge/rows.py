@@ -81,11 +81,22 @@ def _dtype_name(v: int) -> str:
     return pb.DType.Name(v) if v in pb.DType.values() else f"{v} (not a DType)"
 
 
-def check_finite(rows: torch.Tensor, field: str) -> None:
+def finite_flag(rows: torch.Tensor) -> torch.Tensor | None:
+    """check_finite's reduction enqueued on the current CUDA stream: -> a pinned host bool, valid once the stream
+    is synchronized (the IPC ring's take syncs anyway: the check then adds no sync); None off CUDA."""
+    if not rows.is_cuda or not rows.numel():
+        return None
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    flag.copy_(torch.isfinite(rows.sum(dtype=torch.float32)), non_blocking=True)
+    return flag
+
+
+def check_finite(rows: torch.Tensor, field: str, flag: torch.Tensor | None = None) -> None:
     """Rows that arrived must be finite: a NaN or inf row would reach the MTP layer and every draft. One
     reduction and one read on the host when they are (a NaN or inf makes the fp32 sum non-finite; finite rows
-    whose sum overflows go on to the row check, which finds nothing)."""
-    if not rows.numel() or bool(torch.isfinite(rows.sum(dtype=torch.float32))):
+    whose sum overflows go on to the row check, which finds nothing); `flag`: that reduction's result, read
+    already (finite_flag)."""
+    if not rows.numel() or bool(flag if flag is not None else torch.isfinite(rows.sum(dtype=torch.float32))):
         return
     bad = ~torch.isfinite(rows).all(dim=-1)
     if bool(bad.any()):

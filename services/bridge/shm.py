@@ -109,7 +109,7 @@ class ShmReceiver:
     def answer(self) -> str:
         return json.dumps({"mapped": self.shm.name})
 
-    def take(self, tid: int, stream=None):
+    def take(self, tid: int, stream=None, then=None):     # then: IpcReceiver.take's (CUDA only, unused here)
         """-> (rows [N, bytes per row] uint8, dtype code), or None when transfer `tid` is not (or no longer)
         in its slot."""
         slot = tid % self.slots

@@ -64,9 +64,9 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
                     if self.channel is None:
                         raise ServiceError("FAILED_PRECONDITION", "rows sent on the bridge, but this draft "
                                            "runs with --hidden-transport inline")
-                    rows = self.channel.take(desc.transfer_id, self.cfg.bridge_timeout_s)
+                    rows = self.channel.take(desc.transfer_id, self.cfg.bridge_timeout_s,
+                                             f"hidden_rows[{i}] (bridge transfer {desc.transfer_id})")   # finite
                     check_payload(desc, rows)
-                    check_finite(rows, f"hidden_rows[{i}] (bridge transfer {desc.transfer_id})")
             except TimeoutError as e:
                 raise ServiceError("UNAVAILABLE", str(e)) from None
             except LookupError as e:         # no such transfer parked on the target
