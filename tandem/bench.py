@@ -220,6 +220,7 @@ def acceptance(argv) -> int:
 
 BENCHES = {"acceptance": "tandem.bench:acceptance", "speed": "tandem.bench_speed:main",
            "inprocess": "tandem.bench_inprocess:main", "bridge": "tandem.bench_bridge:main",
+           "attention": "tandem.bench_attention:main",
            "floor": "tandem.bench_floor:main", "dsa": "tandem.bench_dsa:main",
            "overlap": "tandem.bench_overlap:main", "profile": "tandem.bench_profile:main",
            "fp8": "tandem.bench_fp8:main", "fp8-sweep": "tandem.bench_fp8_sweep:main",

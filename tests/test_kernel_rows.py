@@ -68,12 +68,26 @@ def test_splits_merged_inside_the_attention_launch(dev, launches):
             batch.context_lens, 0.2)
     two = mla_attention_triton(*args, block_n=BN)
     arrivals = torch.zeros(ql.shape[0], dtype=torch.int32, device=dev)           # one head block a row
-    for _ in range(2):
-        one = mla_attention_triton(*args, block_n=BN, arrivals=arrivals)
-        assert torch.equal(one, two) and not arrivals.any()
+    for scale in (2.0, 1.0):         # after other partial sums in the workspace: a merge too early would show
+        one = mla_attention_triton(ql * scale, *args[1:], block_n=BN, arrivals=arrivals)
+        assert (scale != 1.0 or torch.equal(one, two)) and not arrivals.any()
     assert dev == "cuda" or launches["_combine_kernel"] == 1
     assert torch.equal(mla_attention_triton(*args, block_n=BN, arrivals=arrivals[:-1]), two)
     assert dev == "cuda" or launches["_combine_kernel"] == 2
+
+
+def test_bench_attention_times_both_merges_and_checks_their_bits(dev, tmp_path):
+    """`tandem bench attention`: two launches and the merged launch over rows of one split (16 keys) and of two
+    (200 keys), side by side; the merged output has the two-launch bits and leaves the counters at zero."""
+    import json
+    from tandem.bench_attention import main
+    assert main(["--device", dev, "--heads", "2", "--rows", "4", "--keys", "16,200", "--table-keys", "256",
+                 "--iters", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "attention.json").read_text())
+    assert [(r["rows"], r["keys"]) for r in rows] == [(4, 16), (4, 200)]
+    assert all(r["max_abs_difference"] == 0 and r["counters_zero"] and r["two_launches_us"] > 0 and r["merged_us"] > 0
+               and r["floor_us"] > 0 for r in rows), rows
+    assert "| merged / two |" in (tmp_path / "attention.md").read_text()
 
 
 def test_sparse_row_alone_equals_the_row_among_others(dev, launches):
