@@ -4,7 +4,7 @@ against merged in the attention launch (kernels/triton_mla.py with counters), si
 Per (heads, rows, keys a row): rows / 4 requests of 4 verify rows each (1 row: one decode request), each request's
 keys on random pages of a block-16 cache whose table holds --table-keys keys (it fixes the split rule, as the
 served table width does); R 512, P 64, bf16 on a GPU. Time per call: a CUDA graph of 4 calls over 4 rotated page
-sets (so keys come from HBM, not L2), median of --iters replays. Bits: the merged output against the two-launch
+sets (so keys come from HBM, not L2), median of 5 replays (tandem/bench_fp8.device_time). Bits: the merged output against the two-launch
 one (max |difference|; 0 is the same bits) and the counters back at zero. Floor: the latent keys each request
 reads (keys x (R + P) x 2 bytes) at 4.23 TB/s. On the CPU (TRITON_INTERPRET=1, tests) the kernels are interpreted:
 the bits are checked, the times say nothing.
@@ -12,12 +12,11 @@ the bits are checked, the times say nothing.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from tandem.bench import write_results
-from tandem.bench_fp8 import FLOOR_BW
+from tandem.bench_fp8 import FLOOR_BW, cycle, device_time
 
 R, P, BS, SETS = 512, 64, 16, 4
 
@@ -44,33 +43,6 @@ def case(heads: int, rows: int, keys: int, table_keys: int, device: str, dtype):
     return sets, B * keys * (R + P) * ckv.element_size()
 
 
-def timed(fn, device: str, iters: int) -> float:
-    """µs per call of fn(i), i over the page sets: CUDA-graph replays on a GPU, eager calls elsewhere."""
-    fn(0)
-    if not device.startswith("cuda"):
-        import time
-        t0 = time.perf_counter()
-        for i in range(SETS):
-            fn(i)
-        return 1e6 * (time.perf_counter() - t0) / SETS
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(SETS):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(1000 * a.elapsed_time(b) / SETS)
-    return statistics.median(times)
-
-
 def measure(heads: int, rows: int, keys: int, a) -> dict:
     from kernels.dispatch import use_triton_forced
     from kernels.triton_mla import mla_attention_triton
@@ -83,8 +55,8 @@ def measure(heads: int, rows: int, keys: int, a) -> dict:
     out = torch.full((rows, heads, R), float("nan"), dtype=dtype, device=a.device)   # rows left unwritten show
     mla_attention_triton(*sets[0], out=out, arrivals=arrivals)
     diff, zero = float((out.float() - two_0).abs().max()), not bool(arrivals.any())
-    two = timed(lambda i: mla_attention_triton(*sets[i], out=out), a.device, a.iters)
-    merged = timed(lambda i: mla_attention_triton(*sets[i], out=out, arrivals=arrivals), a.device, a.iters)
+    two, merged = (1e6 * device_time(cycle(lambda args: mla_attention_triton(*args, out=out, arrivals=c), sets),
+                                     a.device, SETS) for c in (None, arrivals))
     return {"heads": heads, "rows": rows, "keys": keys, "two_launches_us": two, "merged_us": merged,
             "merged_over_two": merged / two, "floor_us": 1e6 * nbytes / FLOOR_BW,
             "max_abs_difference": diff, "counters_zero": zero and not bool(arrivals.any())}
@@ -109,7 +81,6 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="1,4,32,128", help="query rows a call (4 a request from 4 up)")
     p.add_argument("--keys", default="64,256,1024,4096", help="keys each request holds")
     p.add_argument("--table-keys", type=int, default=4096, help="keys a block table holds (the split rule's)")
-    p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="results/attention")
     a = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]

@@ -82,7 +82,7 @@ def test_bench_attention_times_both_merges_and_checks_their_bits(dev, tmp_path):
     import json
     from tandem.bench_attention import main
     assert main(["--device", dev, "--heads", "2", "--rows", "4", "--keys", "16,200", "--table-keys", "256",
-                 "--iters", "2", "--out", str(tmp_path)]) == 0
+                 "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "attention.json").read_text())
     assert [(r["rows"], r["keys"]) for r in rows] == [(4, 16), (4, 200)]
     assert all(r["max_abs_difference"] == 0 and r["counters_zero"] and r["two_launches_us"] > 0 and r["merged_us"] > 0
