@@ -88,19 +88,27 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., in] . w [out, in] by cuBLAS. On CUDA a call of fewer than LINEAR_ROWS rows runs as LINEAR_ROWS
     rows: cuBLAS picks its kernel by row count, and an H200's bf16 GEMM at V2-Lite's dense MLP gives a row other
     bits among 32 rows than among 8 (BENCHMARKS.md "Lossless at any batch"), so without one class a verify
-    row could part from its decode row at a near-tie. Rows never mix in a GEMM: the padding is not read. When x
-    is the first rows of a contiguous buffer of LINEAR_ROWS rows or more (gemm_rows), the GEMM runs on that."""
+    row could part from its decode row at a near-tie. Rows never mix in a GEMM: padding rows change no other
+    row. When x is the first rows of a contiguous buffer of LINEAR_ROWS rows or more (gemm_rows; buffer_rows
+    finds it), the GEMM runs on that."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (x.is_cuda and 0 < m < LINEAR_ROWS) or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return F.linear(x, w)
-    base = x._base                                     # the buffer x views, if any
-    if (base is not None and base.dim() == 2 and base.shape[0] >= LINEAR_ROWS and base.shape[1] == x.shape[-1]
-            and base.dtype == x.dtype and base.is_contiguous() and x.is_contiguous() and x.data_ptr() == base.data_ptr()):
-        rows = base[:LINEAR_ROWS]
-    else:
+    rows = buffer_rows(x, LINEAR_ROWS)
+    if rows is None:
         rows = torch.empty(LINEAR_ROWS, x.shape[-1], dtype=x.dtype, device=x.device)
         rows[:m].copy_(x.reshape(m, -1))
     return F.linear(rows, w)[:m].view(*x.shape[:-1], w.shape[0])
+
+
+def buffer_rows(x: torch.Tensor, n: int) -> torch.Tensor | None:
+    """[n, K] rows of x's storage from x's first row on, where x [..., K] is contiguous and its storage holds them
+    (x the first rows of a gemm_rows buffer), else None. By storage, not by x._base: under torch.inference_mode, as
+    the engines run, a view keeps no base. Rows past x's are only ever read, and no row mixes with another."""
+    K = x.shape[-1]
+    if not x.is_contiguous() or (x.storage_offset() + n * K) * x.element_size() > x.untyped_storage().nbytes():
+        return None
+    return x.as_strided((n, K), (K, 1))
 
 
 def stacked(a: nn.Parameter, b: nn.Parameter) -> torch.Tensor:

@@ -16,7 +16,7 @@ from kernels import mla, norm, triton_norm  # noqa: E402
 from kernels.triton_mla_write import write_latent_triton  # noqa: E402
 from kernels.triton_moe import fused_moe_triton  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
-from models.layers import LINEAR_ROWS, dense_linear  # noqa: E402
+from models.layers import LINEAR_ROWS, buffer_rows, dense_linear  # noqa: E402
 from models.loader import build, save_checkpoint  # noqa: E402
 from models.model import TargetModel  # noqa: E402
 from models.layers import stacked  # noqa: E402
@@ -176,18 +176,50 @@ def test_checkpoint_of_a_model_that_ran_saves(tmp_path):
     assert torch.equal(back[gate], sd[gate])
 
 
+@pytest.mark.parametrize("inference", [False, True])
+def test_buffer_rows_finds_the_padded_buffer_under_inference_mode(inference):
+    """The engines run under torch.inference_mode, where a view keeps no _base: dense_linear found its padded buffers
+    by _base, so every projection fed by a norm or by up_values was copied first (2 copies a layer on the H200)."""
+    with torch.inference_mode(inference):
+        buf = torch.arange(LINEAR_ROWS * 8, dtype=torch.float32).view(LINEAR_ROWS, 8)
+        rows = buffer_rows(buf[:3].view(3, 8), LINEAR_ROWS)
+        assert rows is not None and rows.shape == (LINEAR_ROWS, 8) and rows.data_ptr() == buf.data_ptr()
+        assert torch.equal(rows, buf)
+        assert torch.equal(buffer_rows(buf[2:3], 4), buf[2:6])             # from x's first row on
+        assert buffer_rows(buf[LINEAR_ROWS - 2:], 4) is None                 # the storage ends first
+        assert buffer_rows(torch.zeros(3, 8), LINEAR_ROWS) is None           # a tensor of its own
+        assert buffer_rows(buf[:3, :4], LINEAR_ROWS) is None                 # not contiguous
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason=NO_CUDA)
-def test_dense_linear_takes_a_padded_buffer_as_it_is():
+@pytest.mark.parametrize("inference", [False, True])
+def test_dense_linear_takes_a_padded_buffer_as_it_is(inference):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.n += func is torch.ops.aten.copy_.default
+            return func(*args, **(kwargs or {}))
+
     g = torch.Generator().manual_seed(6)
     w = torch.randn(576, 2048, generator=g).bfloat16().cuda()
     x = torch.randn(3, 2048, generator=g).bfloat16().cuda()
-    buf = torch.empty(LINEAR_ROWS, 2048, dtype=torch.bfloat16, device="cuda")
-    buf[:3] = x
-    assert torch.equal(dense_linear(buf[:3], w), dense_linear(x.clone(), w))    # the same 128-row GEMM class
-    w_ = triton_norm.rms_norm(x, torch.ones(2048, dtype=torch.bfloat16, device="cuda"), 1e-6, pad=LINEAR_ROWS)
-    assert w_._base.shape[0] == LINEAR_ROWS
-    assert torch.equal(dense_linear(w_, w), dense_linear(w_.clone(), w))
+    with torch.inference_mode(inference):
+        buf = torch.empty(LINEAR_ROWS, 2048, dtype=torch.bfloat16, device="cuda")
+        buf[:3] = x
+        normed = triton_norm.rms_norm(x, torch.ones(2048, dtype=torch.bfloat16, device="cuda"), 1e-6,
+                                      pad=LINEAR_ROWS)
+        alone = [x.clone(), normed.clone()]
+        with Copies():
+            got = [dense_linear(buf[:3], w), dense_linear(normed, w)]
+        assert Copies.n == 0                                                  # both taken as they are
+        with Copies():
+            want = [dense_linear(a, w) for a in alone]
+        assert Copies.n == 2                                                  # a tensor of its own is copied
+    assert all(torch.equal(a, b) for a, b in zip(got, want))                  # the same 128-row GEMM class
 
 
 def test_model_with_deferred_residuals_equals_the_layer_by_layer_sum():
