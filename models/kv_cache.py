@@ -11,6 +11,7 @@ start a request on cached blocks found by `lookup`, `seal` names its full blocks
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -119,18 +120,17 @@ class AttentionBatch:
         return self.plans["reference"]
 
 
-def aligned_parts(parts: list[torch.Tensor], multiple: int = 4) -> tuple[torch.Tensor, list[int]]:
-    """1-D int64 parts laid end to end, each from a multiple of `multiple` elements (4: 16 bytes as int32 or int64)
-    -> (flat, start of each). Triton compiles a kernel once per alignment of its pointers: views at offsets of N
-    elements would make an eager step of another N mod 4 compile a variant mid-run (about a second)."""
-    starts, n = [], 0
+def aligned_parts(parts: list[list[int]], multiple: int = 4) -> tuple[torch.Tensor, list[int]]:
+    """Host int lists laid end to end in one int64 tensor, each from a multiple of `multiple` elements (4: 16 bytes
+    as int32 or int64), zeros between -> (flat, start of each). Triton compiles a kernel once per alignment of its
+    pointers: views at offsets of N elements would make an eager step of another N mod 4 compile a variant mid-run
+    (about a second). Built as an array, not by torch.tensor(list) (3-4x slower per element)."""
+    flat, starts = array("q"), []
     for p in parts:
-        starts.append(n)
-        n += -(-p.numel() // multiple) * multiple
-    flat = torch.zeros(n, dtype=torch.long)
-    for at, p in zip(starts, parts):
-        flat[at:at + p.numel()] = p
-    return flat, starts
+        starts.append(len(flat))
+        flat.extend(p)
+        flat.extend([0] * (-len(flat) % multiple))
+    return torch.frombuffer(flat, dtype=torch.long), starts
 
 
 class PagedKVCache:
@@ -272,29 +272,28 @@ class PagedKVCache:
         return self._layout(request_ids, query_lens, starts)
 
     def _layout(self, request_ids: list[str], query_lens: list[int], starts: list[int]) -> AttentionBatch:
-        # built on the host, moved in one transfer: [positions N | slots N | token_request N | context_lens B |
-        # query_start B+1 | block_tables B*MB], the int32 part cast once on the device; each part starts 16-byte
-        # aligned (aligned_parts), so a kernel's pointer to it is aligned whatever N and B
+        # built on the host in one array, moved in one transfer: [positions N | slots N | token_request N |
+        # context_lens B | query_start B+1 | block_tables B*MB], the int32 part cast once on the device; each part
+        # starts 16-byte aligned (aligned_parts). Python lists, not ~25 small CPU tensor ops: a decode step's layout
+        # is on its critical path (batch 1: 0.18-0.21 -> 0.03 ms on this project's CPU VM; BENCHMARKS.md)
         bs, B, N = self.block_size, len(request_ids), sum(query_lens)
         tables = [self._tables[r] for r in request_ids]
         mb = max([len(t) for t in tables] + [1])
-        host_tables = torch.zeros(B, mb, dtype=torch.int32)                        # one tensor from one flat list
-        host_tables[torch.arange(mb)[None, :] < torch.tensor([len(t) for t in tables])[:, None]] = torch.tensor(
-            [x for t in tables for x in t], dtype=torch.int32)
-        lens = torch.tensor(query_lens, dtype=torch.long)
-        req = torch.repeat_interleave(torch.arange(B), lens)                      # [N]
-        qstart = torch.zeros(B + 1, dtype=torch.long)
-        qstart[1:] = lens.cumsum(0)
-        pos = torch.arange(N) - qstart[req] + torch.tensor(starts, dtype=torch.long)[req]
-        slots = host_tables.long()[req, pos // bs] * bs + pos % bs if N else pos
-        flat, at = aligned_parts([pos, slots, req, torch.tensor(starts, dtype=torch.long) + lens, qstart,
-                                  host_tables.long().flatten()])
-        packed = flat.to(self.device)
+        pos, slots, req, qstart = [], [], [], [0]
+        for b, (t, s, n) in enumerate(zip(tables, starts, query_lens)):
+            pos += range(s, s + n)
+            for j in range(s // bs, -(-(s + n) // bs)):                           # slots: runs within a block
+                slots += range(t[j] * bs + max(s - j * bs, 0), t[j] * bs + min(s + n - j * bs, bs))
+            req += [b] * n
+            qstart.append(qstart[-1] + n)
+        flat_tables = [x for t in tables for x in t + [0] * (mb - len(t))]
+        host, at = aligned_parts([pos, slots, req, [s + n for s, n in zip(starts, query_lens)], qstart, flat_tables])
+        packed = host.to(self.device)
         small = packed[at[2]:].to(torch.int32)
         i32 = [a - at[2] for a in at[2:]]
         return AttentionBatch(
             positions=packed[at[0]:at[0] + N], slot_mapping=packed[at[1]:at[1] + N], token_request=small[:N],
             context_lens=small[i32[1]:i32[1] + B], query_start=small[i32[2]:i32[2] + B + 1],
             block_tables=small[i32[3]:i32[3] + B * mb].view(B, mb), query_lens=list(query_lens),
-            request_ids=list(request_ids), block_size=bs, host_block_tables=host_tables,
-            host_starts=starts)
+            request_ids=list(request_ids), block_size=bs,
+            host_block_tables=host[at[5]:at[5] + B * mb].view(B, mb).to(torch.int32), host_starts=starts)

@@ -143,7 +143,7 @@ def test_misuse_raises_clear_errors():
         PagedKVCache(1, 0, BLOCK, 8, 4)
 
 
-@pytest.mark.parametrize("lens", [[1], [3], [2, 3], [1, 1, 1], [5, 2, 7], [4, 4, 4, 4, 1]])
+@pytest.mark.parametrize("lens", [[1], [3], [2, 3], [1, 1, 1], [5, 2, 7], [4, 4, 4, 4, 1], [13], [1, 0, 9]])
 def test_step_layout_views_start_16_byte_aligned(lens):
     """Every device field of a step's layout starts 16-byte aligned whatever N and B (Triton compiles a kernel per
     pointer alignment: an eager step of another N mod 4 would otherwise compile a variant mid-run), and each holds
@@ -162,6 +162,8 @@ def test_step_layout_views_start_16_byte_aligned(lens):
     assert batch.token_request.tolist() == [b for b, n in enumerate(lens) for _ in range(n)]
     assert batch.context_lens.tolist() == [3 + n for n in lens] and batch.query_start.tolist()[-1] == N
     tables = batch.host_block_tables
-    assert torch.equal(batch.block_tables, tables)
+    assert torch.equal(batch.block_tables, tables) and tables.dtype == torch.int32
+    width = max(len(cache._tables[r]) for r in ids)                          # each request's blocks, zeros after
+    assert tables.tolist() == [cache._tables[r] + [0] * (width - len(cache._tables[r])) for r in ids]
     want = [int(tables[b, p // 4]) * 4 + p % 4 for b, n in enumerate(lens) for p in range(3, 3 + n)]
     assert batch.slot_mapping.tolist() == want
