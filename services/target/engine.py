@@ -6,7 +6,9 @@ the device, keyed, so a seeded request ignores its batch-mates). Tokens are comm
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -63,17 +65,20 @@ WARM_DRAFTS = 4                              # acceptance kernels compiled at st
 
 
 def _round_inputs(drafts: list[list[int]], dev):
-    """A Verify's drafts per request -> host (k [B], starts [B], valid [B, K+1]) and device (drafts [B, K],
-    k [B], idx [B, K+1]: request b's logit rows), the device ones in one transfer before the step (a copy
-    queued after the step would wait for it)."""
+    """A Verify's drafts per request -> host (k [B], starts: each request's first logit row) and device (drafts
+    [B, K], k [B], idx [B, K+1]: request b's logit rows), the device ones in one transfer before the step (a copy
+    queued after the step would wait for it), laid out in Python lists: the step's host work is on its critical
+    path (as models/kv_cache.PagedKVCache._layout)."""
     B, K = len(drafts), max(len(d) for d in drafts)
-    k = torch.tensor([len(d) for d in drafts])
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), (k + 1).cumsum(0)[:-1]])
-    idx = (starts[:, None] + torch.arange(K + 1)[None, :]).clamp(max=int(k.sum()) + B - 1)   # [B, K+1]
-    valid = torch.arange(K + 1)[None, :] <= k[:, None]                           # [B, K+1]
-    padded = torch.tensor([list(d) + [0] * (K - len(d)) for d in drafts], dtype=torch.long)
-    packed = torch.cat([padded.flatten(), k, idx.flatten()]).to(dev, non_blocking=True)
-    return k, starts, valid, packed[:B * K].view(B, K), packed[B * K:B * K + B], packed[B * K + B:].view(B, K + 1)
+    k = [len(d) for d in drafts]
+    starts = list(accumulate((n + 1 for n in k[:-1]), initial=0))
+    last = sum(k) + B - 1                                                        # the last logit row
+    flat = array("q", [t for d in drafts for t in (*d, *[0] * (K - len(d)))])
+    flat.extend(k)
+    flat.extend(min(s + j, last) for s in starts for j in range(K + 1))
+    packed = torch.frombuffer(flat, dtype=torch.long).to(dev, non_blocking=True)
+    drafts_dev, k_dev, idx = packed[:B * K].view(B, K), packed[B * K:B * K + B], packed[B * K + B:].view(B, K + 1)
+    return torch.tensor(k), starts, drafts_dev, k_dev, idx
 
 
 class TargetEngine:
@@ -87,7 +92,7 @@ class TargetEngine:
         use, so the first round at a new k (an adaptive policy's k = 1 probe) paid it inside a Verify."""
         dev, V = self.cache.device, self.vocab_size
         for k in range(WARM_DRAFTS + 1):         # inputs laid out as verify's (Triton specializes on strides)
-            _, _, _, drafts, n, idx = _round_inputs([[0] * k], dev)
+            _, _, drafts, n, idx = _round_inputs([[0] * k], dev)
             greedy_verify(torch.zeros_like(idx), drafts, n)
             if k:
                 p = torch.full((1, k + 1, V), 1.0 / V, device=dev)
@@ -169,7 +174,7 @@ class TargetEngine:
         seqs = {rid: [r.pending_token] + list(d) for (rid, d, _), r in zip(items, reqs)}
         B, K = len(items), max(len(d) for _, d, _ in items)
         V, dev = self.vocab_size, self.cache.device        # acceptance runs where the logits are (Triton on CUDA)
-        k, starts, valid, drafts, k_dev, idx = _round_inputs([d for _, d, _ in items], dev)
+        k, starts, drafts, k_dev, idx = _round_inputs([d for _, d, _ in items], dev)
         hidden = self._forward(seqs)                                            # [N, D], N = sum(k + 1)
         logits = self.model.compute_logits(hidden)                               # [N, V]
         synthetic = []                                                          # BENCHMARK ONLY: its inputs
@@ -180,6 +185,7 @@ class TargetEngine:
                 synthetic = [target, drafts]
         else:
             p = self._probs(logits, [r.sampling for (_, d, _), r in zip(items, reqs) for _ in range(len(d) + 1)])
+            valid = torch.arange(K + 1)[None, :] <= k[:, None]                       # [B, K+1]
             p = p[idx] * valid.to(dev)[..., None]                                    # [B, K+1, V]
             q = torch.zeros(B, K, V, device=dev)
             for b, (_, d, qb) in enumerate(items):
@@ -201,7 +207,7 @@ class TargetEngine:
                                                  self.synthetic_acceptance, [r.generator for r in reqs])
         accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides
         out_tokens, keep_rows, accepted = [], [], accepted.tolist()                # host lists: no per-item indexing
-        for (rid, d, _), r, a, em, s0 in zip(items, reqs, accepted, emitted.tolist(), starts.tolist()):
+        for (rid, d, _), r, a, em, s0 in zip(items, reqs, accepted, emitted.tolist(), starts):
             toks = em[: a + 1]
             self.cache.rollback(rid, len(d) - a)                                 # drop rejected positions
             r.pending_token, r.num_tokens = toks[-1], r.num_tokens + a + 1

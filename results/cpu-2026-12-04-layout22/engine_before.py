@@ -1,0 +1,299 @@
+"""TargetEngine: the verifier's state machine over the model and its paged KV cache.
+
+Per request it keeps the pending token (the last committed token, whose KV is not in the cache
+yet), the sampling parameters and its noise seed and draw count (kernels/noise.py: sampling draws its noise on
+the device, keyed, so a seeded request ignores its batch-mates). Tokens are committed here and nowhere else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kernels import flashinfer_sampling
+from kernels.dispatch import argmax_rows, chain_verifier, greedy_verify, rejection_sample, sampling_probs
+from kernels.noise import choose, draw_keys, exp_noise, uniform
+from models.kv_cache import CacheFullError, PagedKVCache
+from infra.errors import ServiceError
+from services.bridge.rows import expect_rows
+from services.sampling import Sampling, TopQ, noise_seed
+from services.target import prefill as plan
+from services.target.synthetic import synthetic_accept
+
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[float, list[int], list[float]]]:
+    """logits [M, V], tokens [M] -> per row (fp32 log-softmax of its token, top-n ids, their logprobs)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    own = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].cpu().tolist()
+    if top_n <= 0:
+        return [(v, [], []) for v in own]
+    top = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
+    return list(zip(own, top.indices.cpu().tolist(), top.values.cpu().tolist()))
+
+
+class Prefilled(NamedTuple):
+    first: list[int]                  # the first sampled token of each item (0 while it prefills in chunks)
+    hidden: torch.Tensor              # final-norm rows of the prompt positions computed [sum T - cached, D]
+    logprobs: list | None = None      # per item {"prompt": [T-1 entries], "first": entry or None}, if asked
+    cached: list[int] | None = None   # per item: positions before this call's (prefix cache / earlier chunks)
+    computed: list[int] | None = None # per item: positions in the cache after it (< len(prompt): chunked, no first)
+
+
+class Verified(NamedTuple):
+    accepted: list[int]               # accepted drafts per item
+    emitted: list[list[int]]          # committed tokens per item (accepted drafts + the bonus/recovered one)
+    rows: torch.Tensor                # hidden rows of the committed positions [sum(a + 1), D]
+    logprobs: list | None = None      # per item one entry per emitted token (empty lists where none asked)
+
+
+@dataclass
+class _Request:
+    pending_token: int
+    num_tokens: int
+    sampling: Sampling
+    generator: torch.Generator        # --synthetic-acceptance's draws only (services/target/synthetic.py)
+    tokens: list[int]                 # every token so far (the pending one last): names its full blocks
+    seed: int = 0                     # noise seed (kernels/noise.py): draw 0 chose the first token,
+    draws: int = 1                    # each sampled Verify takes two (its uniforms, then its Exp(1) noise)
+
+
+WARM_DRAFTS = 4                              # acceptance kernels compiled at start for 0 .. this many drafts
+
+
+def _round_inputs(drafts: list[list[int]], dev):
+    """A Verify's drafts per request -> host (k [B], starts [B], valid [B, K+1]) and device (drafts [B, K],
+    k [B], idx [B, K+1]: request b's logit rows), the device ones in one transfer before the step (a copy
+    queued after the step would wait for it)."""
+    B, K = len(drafts), max(len(d) for d in drafts)
+    k = torch.tensor([len(d) for d in drafts])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), (k + 1).cumsum(0)[:-1]])
+    idx = (starts[:, None] + torch.arange(K + 1)[None, :]).clamp(max=int(k.sum()) + B - 1)   # [B, K+1]
+    valid = torch.arange(K + 1)[None, :] <= k[:, None]                           # [B, K+1]
+    padded = torch.tensor([list(d) + [0] * (K - len(d)) for d in drafts], dtype=torch.long)
+    packed = torch.cat([padded.flatten(), k, idx.flatten()]).to(dev, non_blocking=True)
+    return k, starts, valid, packed[:B * K].view(B, K), packed[B * K:B * K + B], packed[B * K + B:].view(B, K + 1)
+
+
+class TargetEngine:
+    graph_row_inputs = 0                     # CUDA graphs: tokens only
+    prefix_shift = 0                         # prefix caching: block j is decided by tokens[0 : (j+1)*bs]
+    synthetic_acceptance: tuple[float, ...] | None = None   # BENCHMARK ONLY: services/target/synthetic.py
+
+    def graphs_enabled(self, warmup_batch: int = 0) -> None:
+        """CUDA graphs are on (services/launch.py): compile the acceptance kernels now for every draft count a
+        round may bring (0 .. WARM_DRAFTS), greedy and sampled. Triton compiles a kernel per draft count on first
+        use, so the first round at a new k (an adaptive policy's k = 1 probe) paid it inside a Verify."""
+        dev, V = self.cache.device, self.vocab_size
+        for k in range(WARM_DRAFTS + 1):         # inputs laid out as verify's (Triton specializes on strides)
+            _, _, _, drafts, n, idx = _round_inputs([[0] * k], dev)
+            greedy_verify(torch.zeros_like(idx), drafts, n)
+            if k:
+                p = torch.full((1, k + 1, V), 1.0 / V, device=dev)
+                rejection_sample(p, torch.zeros(1, k, V, device=dev), drafts, n, torch.ones(1, k, device=dev),
+                                 torch.ones(1, V, device=dev))
+
+    def __init__(self, model, cache: PagedKVCache, max_model_len: int):
+        self.model, self.cache, self.max_model_len = model, cache, max_model_len
+        self.forward = model                 # or a models.cuda_graphs.GraphedForward of it
+        self.vocab_size = model.cfg.vocab_size
+        self.requests: dict[str, _Request] = {}
+        self.partial: dict[str, tuple[int, int]] = {}    # prefilling in chunks: (positions computed, prompt length)
+
+    def _check_tokens(self, rid: str, field: str, ids: list[int]) -> None:
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: {field} holds token id {bad[0]}, "
+                                                   f"vocab_size is {self.vocab_size}")
+
+    @torch.inference_mode()
+    def prefill(self, items: list[tuple[str, list[int], Sampling]], logprobs: list[tuple[int | None, bool]] | None = None,
+                budgets: list[int] | None = None):
+        """-> Prefilled. logprobs: per item (top-n for the first token or None, whether to score the prompt);
+        budgets: per item at most this many positions now (0: all; services/target/prefill.py)."""
+        scored = [bool(w[1]) for w in logprobs] if logprobs else [False] * len(items)
+        plan.check_items(self, items, scored)
+        ids = [rid for rid, _, _ in items]
+        try:
+            spans = plan.spans(self, items, scored, budgets or [0] * len(items))
+            hidden = self._forward({rid: p[s:e] for (rid, p, _), (s, e) in zip(items, spans)})
+        except BaseException:
+            for rid in ids:
+                self.partial.pop(rid, None)
+                self.cache.release(rid)
+            raise
+        done = [b for b, ((_, p, _), (_, e)) in enumerate(zip(items, spans)) if e == len(p)]
+        ends = torch.tensor([e - s for s, e in spans]).cumsum(0) - 1
+        gens = [items[b][2].generator() for b in done]
+        seeds = [noise_seed(items[b][2], 0) for b in done]
+        last_logits, sampled = None, []
+        if done:                                                                  # prompts prefilled to the end
+            last_logits = self.model.compute_logits(hidden[ends[done].to(hidden.device)])      # [B done, V]
+            probs = self._probs(last_logits, [items[b][2] for b in done])
+            zero = torch.zeros(len(done), dtype=torch.long, device=probs.device)
+            keys = draw_keys(torch.tensor(seeds, device=probs.device), zero)
+            sampled = self.model.ps.decide(choose(probs, keys).cpu()).tolist()         # draw 0 of each request
+        first = [0] * len(items)
+        for (rid, prompt, _), (_, e) in zip(items, spans):
+            self.cache.seal(rid, prompt, e)
+            self.partial[rid] = (e, len(prompt))
+        for b, tok, g, seed in zip(done, sampled, gens, seeds):
+            rid, prompt, s = items[b]
+            del self.partial[rid]
+            first[b] = tok
+            self.requests[rid] = _Request(tok, len(prompt) + 1, s, g, list(prompt) + [tok], seed)
+        out = None if logprobs is None else plan.score(self, items, logprobs, hidden, spans, last_logits, sampled)
+        return Prefilled(first, hidden, out, [s for s, _ in spans], [e for _, e in spans])
+
+    @torch.inference_mode()
+    def verify(self, items: list[tuple[str, list[int], torch.Tensor | None]], logprobs: list[int | None] | None = None):
+        """items: (request id, draft tokens [k], draft probs: [k, V], TopQ [k, w] or None) -> Verified. logprobs:
+        per item top-n or None."""
+        for rid, drafts, q in items:
+            if rid not in self.requests:
+                raise ServiceError("FAILED_PRECONDITION", f"request {rid!r} is not running on the target "
+                                                          "(never prefilled, or released)")
+            self._check_tokens(rid, "draft_token_ids", drafts)
+            r = self.requests[rid]
+            if r.num_tokens + len(drafts) > self.max_model_len:
+                raise ServiceError("OUT_OF_RANGE", f"request {rid!r}: {r.num_tokens} tokens + {len(drafts)} "
+                                                   f"drafts exceed max_model_len {self.max_model_len}")
+            if self.synthetic_acceptance is not None and not r.sampling.greedy:
+                raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: temperature {r.sampling.temperature}, but "
+                                   "--synthetic-acceptance (a benchmark mode) serves greedy requests only")
+            _check_q(rid, q, len(drafts), self.vocab_size)
+        if len({rid for rid, _, _ in items}) != len(items):
+            raise ServiceError("INVALID_ARGUMENT", "request ids in one Verify must be unique")
+        reqs = [self.requests[rid] for rid, _, _ in items]
+        seqs = {rid: [r.pending_token] + list(d) for (rid, d, _), r in zip(items, reqs)}
+        B, K = len(items), max(len(d) for _, d, _ in items)
+        V, dev = self.vocab_size, self.cache.device        # acceptance runs where the logits are (Triton on CUDA)
+        k, starts, valid, drafts, k_dev, idx = _round_inputs([d for _, d, _ in items], dev)
+        hidden = self._forward(seqs)                                            # [N, D], N = sum(k + 1)
+        logits = self.model.compute_logits(hidden)                               # [N, V]
+        synthetic = []                                                          # BENCHMARK ONLY: its inputs
+        if all(r.sampling.greedy for r in reqs):
+            target = argmax_rows(logits)[idx]                                     # [B, K+1]
+            accepted, emitted = greedy_verify(target, drafts, k_dev)             # [B, K+1]
+            if self.synthetic_acceptance is not None and K:                       # K = 0: nothing to accept
+                synthetic = [target, drafts]
+        else:
+            p = self._probs(logits, [r.sampling for (_, d, _), r in zip(items, reqs) for _ in range(len(d) + 1)])
+            p = p[idx] * valid.to(dev)[..., None]                                    # [B, K+1, V]
+            q = torch.zeros(B, K, V, device=dev)
+            for b, (_, d, qb) in enumerate(items):
+                if isinstance(qb, TopQ):
+                    q[b, : len(d)] = qb.dense(V, dev)
+                elif qb is not None:
+                    q[b, : len(d)] = qb.to(dev)
+                else:                                                               # greedy draft: one-hot
+                    q[b, torch.arange(len(d), device=dev), drafts[b, : len(d)]] = 1.0
+            if chain_verifier(p, k, seeded=any(r.sampling.seed is not None for r in reqs)) == "flashinfer":
+                accepted, emitted = flashinfer_sampling.chain_verify(p, q, drafts)   # TANDEM_VERIFIER=flashinfer
+            else:
+                accepted, emitted = rejection_sample(p, q, drafts, k_dev, *self._noise(reqs, K, dev))
+        both = torch.cat([accepted.view(B, 1).to(emitted.dtype), emitted, *(t.to(emitted.dtype) for t in synthetic)],
+                         1).cpu()                                               # the one device-to-host copy
+        accepted, emitted = both[:, 0].to(accepted.dtype), both[:, 1:K + 2]
+        if synthetic:                                      # BENCHMARK ONLY: after the real forward and check
+            accepted, emitted = synthetic_accept(both[:, K + 2:2 * K + 3], both[:, 2 * K + 3:], k,
+                                                 self.synthetic_acceptance, [r.generator for r in reqs])
+        accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides
+        out_tokens, keep_rows, accepted = [], [], accepted.tolist()                # host lists: no per-item indexing
+        for (rid, d, _), r, a, em, s0 in zip(items, reqs, accepted, emitted.tolist(), starts.tolist()):
+            toks = em[: a + 1]
+            self.cache.rollback(rid, len(d) - a)                                 # drop rejected positions
+            r.pending_token, r.num_tokens = toks[-1], r.num_tokens + a + 1
+            r.tokens += toks
+            self.cache.seal(rid, r.tokens, r.num_tokens - 1)                      # name full committed blocks
+            out_tokens.append(toks)
+            keep_rows.append(torch.arange(s0, s0 + a + 1))
+        rows = hidden[torch.cat(keep_rows).to(hidden.device)]
+        if logprobs is None:
+            return Verified(accepted, out_tokens, rows)
+        lps = [token_logprobs(logits[keep.to(logits.device)], toks, n) if n is not None else []
+               for keep, toks, n in zip(keep_rows, out_tokens, logprobs)]
+        return Verified(accepted, out_tokens, rows, lps)
+
+    @torch.inference_mode()
+    def recompute_rows(self, items: list[tuple[str, list[int]]]) -> torch.Tensor:
+        """items: (request id, its committed tokens) -> final-norm hidden rows of every position but
+        the last [sum(len - 1), D], for a draft that lost its cache. Runs on scratch cache entries
+        (freed before returning): the requests' own cache and state are not touched."""
+        if len({rid for rid, _ in items}) != len(items):
+            raise ServiceError("INVALID_ARGUMENT", "request ids in one RecomputeRows must be unique")
+        for rid, toks in items:
+            r = self.requests.get(rid)
+            if r is None:
+                raise ServiceError("FAILED_PRECONDITION", f"request {rid!r} is not running on the target")
+            if len(toks) != r.num_tokens or toks[-1] != r.pending_token:
+                raise ServiceError("FAILED_PRECONDITION", f"request {rid!r}: token_ids has {len(toks)} tokens "
+                                   f"ending in {toks[-1] if toks else None}, the target holds {r.num_tokens} "
+                                   f"ending in {r.pending_token}")
+            self._check_tokens(rid, "token_ids", toks)          # an id >= vocab indexed past the embedding
+        scratch = {f"{rid}\0rows": toks[:-1] for rid, toks in items}    # >= 1 token each (num_tokens >= 2)
+        if any(sid in self.cache for sid in scratch):
+            raise ServiceError("ALREADY_EXISTS", "a request id of this RecomputeRows is taken by a running request")
+        for sid in scratch:
+            self.cache.allocate(sid)
+        try:
+            return self._forward(scratch)
+        finally:
+            for sid in scratch:
+                self.cache.release(sid)
+
+    def release(self, ids: list[str]) -> int:
+        n = 0
+        for rid in ids:
+            n += (self.requests.pop(rid, None) or self.partial.pop(rid, None)) is not None
+            self.cache.release(rid)
+        return n
+
+    def _forward(self, seqs: dict[str, list[int]]) -> torch.Tensor:
+        try:
+            batch = self.cache.prepare(list(seqs), [len(s) for s in seqs.values()])
+        except CacheFullError as e:
+            raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
+        tokens = torch.tensor([t for s in seqs.values() for t in s], device=self.cache.device)
+        return expect_rows(self.forward(tokens, batch, self.cache), tokens.shape[0], "the target model")
+
+    def _noise(self, reqs: list[_Request], K: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sampled Verify's draws, keyed on the device (kernels/noise.py): a request's depend on its own seed
+        and draw count only -> uniform [B, K], Exp(1) noise [B, V]. Greedy rows (one-hot p and q) get ones."""
+        B, V = len(reqs), self.vocab_size
+        sd = torch.tensor([[r.seed, r.draws, b] for b, r in enumerate(reqs) if not r.sampling.greedy])
+        sd = sd.to(dev, non_blocking=True)                                         # [S, 3]
+        u, e = torch.ones(B, K, device=dev), torch.ones(B, V, device=dev)
+        u[sd[:, 2]] = uniform(draw_keys(sd[:, 0], sd[:, 1]), K).float()
+        e[sd[:, 2]] = exp_noise(draw_keys(sd[:, 0], sd[:, 1] + 1), V)
+        for r in reqs:
+            r.draws += 2
+        return u, e
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
+        """logits [M, V] -> target distributions [M, V], one Sampling per row."""
+        t = torch.tensor([s.temperature for s in samplings], device=logits.device)
+        tk = torch.tensor([s.top_k for s in samplings], device=logits.device)
+        tp = torch.tensor([s.top_p for s in samplings], device=logits.device)
+        return sampling_probs(logits, t, tk, tp, any(s.truncates for s in samplings))
+
+
+def _check_q(rid: str, q, k: int, V: int) -> None:
+    """A Verify item's draft distributions: k rows of finite non-negative probabilities over token ids < V."""
+    if q is None:
+        return
+    if isinstance(q, TopQ):
+        ok = (q.ids.shape == q.probs.shape and q.ids.shape[0] == k and q.ids.numel() > 0
+              and bool(((q.ids >= 0) & (q.ids < V)).all()))
+        if not ok:
+            raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: draft_top_ids must be {k} x w token ids "
+                                                   f"below the vocabulary size {V}, as many as draft_top_probs")
+        q, what = q.probs, "draft_top_probs"
+    else:
+        ok, what = q.shape == (k, V), "draft_probs"
+        if not ok:
+            raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: draft_probs must be {k} x {V}")
+    if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
+        raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: {what} must be finite non-negative floats")
