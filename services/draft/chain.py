@@ -24,6 +24,8 @@ each q cut to its top tokens of that mass (noise.top_mass: the draw is from the 
 """
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket
@@ -123,19 +125,25 @@ class DraftChain:
         return st
 
     def _fill(self, st: dict, ids, hidden, ks, starts, bp: int, k_max: int) -> None:
-        # host layout of steps 1 .. k_max - 1, one transfer: [pos S*bp | slots S*bp | ctx S*bp | tables bp*MB]
+        # host layout of steps 1 .. k_max - 1, one transfer: [pos S*bp | slots S*bp | ctx S*bp | tables bp*MB], in
+        # Python lists (~15 small CPU tensor ops cost more on the round's critical path: as PagedKVCache._layout)
         bs, S, B, MB = self.cache.block_size, st["pos"].shape[0], len(ids), self.max_blocks
-        tables = torch.zeros(bp, MB, dtype=torch.long)
-        for b, r in enumerate(ids):
-            t = self.cache._tables[r]
-            tables[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-        s_idx = torch.arange(1, S + 1)[:, None]                                 # [S, 1] step 1..S
-        start = torch.tensor(starts + [0] * (bp - B), dtype=torch.long)[None]  # [1, bp]
-        live = (s_idx < torch.tensor(list(ks) + [0] * (bp - B))[None])         # [S, bp] request drafts step s
-        pos = torch.where(live, start + s_idx - 1, 0)                           # cache position of step s
-        slots = torch.where(live, tables.gather(1, (pos // bs).T).T * bs + pos % bs, self.scratch_slot)
-        ctx = torch.where(live, pos + 1, 0)
-        packed = torch.cat([pos.flatten(), slots.flatten(), ctx.flatten(), tables.flatten()]).to(self.cache.device)
+        tables = [self.cache._tables[r] for r in ids]
+        pos, slots, ctx = [], [], []
+        for s in range(1, S + 1):                                             # step s of request b, if it drafts it
+            for b in range(bp):
+                live = b < B and s < ks[b]
+                p = starts[b] + s - 1 if live else 0                              # cache position of step s
+                pos.append(p)
+                slots.append(tables[b][p // bs] * bs + p % bs if live else self.scratch_slot)
+                ctx.append(p + 1 if live else 0)
+        flat = array("q", pos + slots + ctx)
+        at = len(flat)
+        flat.frombytes(bytes(8 * bp * MB))                                     # the tables' rows, zeros past each
+        for b, t in enumerate(tables):
+            flat[at + b * MB:at + b * MB + len(t)] = array("q", t)
+        host = torch.frombuffer(flat, dtype=torch.long)
+        packed = host.to(self.cache.device)
         n = S * bp
         st["pos"].copy_(packed[:n].view(S, bp))
         st["slots"].copy_(packed[n:2 * n].view(S, bp))
@@ -145,7 +153,8 @@ class DraftChain:
         st["hidden"][B:].zero_()
         if not self.graphs:                    # the reference attention plans from host copies
             for s, batch in enumerate(st["batches"]):
-                batch.host_block_tables, batch.host_starts, batch.plans = tables.int(), pos[s].tolist(), {}
+                batch.host_block_tables, batch.host_starts = host[3 * n:].view(bp, MB).int(), pos[s * bp:(s + 1) * bp]
+                batch.plans = {}
 
     def _fill_sampling(self, st: dict, sampled, bp: int) -> None:
         pad = [(Sampling(), 0, 0)] * (bp - len(sampled))
