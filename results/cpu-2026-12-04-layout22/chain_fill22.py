@@ -1,11 +1,16 @@
-# services/draft/chain.DraftChain._fill before (CPU tensor ops, chain_before.py: HEAD 801c100) and after (lists, one
+# services/draft/chain.DraftChain._fill before (CPU tensor ops, 801c100) and after (lists, one
 # array) on this 2-core CPU VM (reference attention, no graphs): us per call, every static field equal. Run from the repo root.
 import sys, time, importlib.util, torch
 sys.path.insert(0, "."); sys.path.insert(0, "tests")
 torch.set_num_threads(1)
+def before(commit, path):   # the file as it was at commit, written where it can be imported from
+    import subprocess, tempfile
+    f = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
+    f.write(subprocess.run(["git", "show", f"{commit}:{path}"], capture_output=True, text=True, check=True).stdout)
+    return f.name
 def load(path, name):
     spec = importlib.util.spec_from_file_location(name, path); m = importlib.util.module_from_spec(spec); sys.modules[name] = m; spec.loader.exec_module(m); return m
-old = load("results/cpu-2026-12-04-layout22/chain_before.py", "chain_old")
+old = load(before("801c100", "services/draft/chain.py"), "chain_old")
 from services.draft.chain import DraftChain
 from tests.test_engines import engines, make_models
 target, draft = make_models(head_std=0.5)

@@ -1,10 +1,15 @@
-# The step layout of models/kv_cache.PagedKVCache._layout before (CPU tensor ops, kv_cache_before.py: HEAD f55a545)
+# The step layout of models/kv_cache.PagedKVCache._layout before (CPU tensor ops, f55a545)
 # and after (plain lists into one array) on this 2-core CPU VM: us per call, and every field equal. Run from the repo root.
 import sys, time, importlib.util, torch
 torch.set_num_threads(1)
+def before(commit, path):   # the file as it was at commit, written where it can be imported from
+    import subprocess, tempfile
+    f = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
+    f.write(subprocess.run(["git", "show", f"{commit}:{path}"], capture_output=True, text=True, check=True).stdout)
+    return f.name
 def load(path, name):
     spec = importlib.util.spec_from_file_location(name, path); m = importlib.util.module_from_spec(spec); sys.modules[name] = m; spec.loader.exec_module(m); return m
-for label, mod in (("old", load("results/cpu-2026-12-04-layout22/kv_cache_before.py", "kvo")), ("new", load("models/kv_cache.py", "kvn"))):
+for label, mod in (("old", load(before("f55a545", "models/kv_cache.py"), "kvo")), ("new", load("models/kv_cache.py", "kvn"))):
     for B, n, ctx in ((1, 1, 100), (32, 1, 100), (32, 4, 100), (1, 4096, 0), (4, 1, 8000)):
         c = mod.PagedKVCache(1, 4096, 16, 8, 4, dtype=torch.float32, device="cpu")
         ids = [f"r{i}" for i in range(B)]
