@@ -65,20 +65,16 @@ WARM_DRAFTS = 4                              # acceptance kernels compiled at st
 
 
 def _round_inputs(drafts: list[list[int]], dev):
-    """A Verify's drafts per request -> host (k [B], starts: each request's first logit row) and device (drafts
-    [B, K], k [B], idx [B, K+1]: request b's logit rows), the device ones in one transfer before the step (a copy
-    queued after the step would wait for it), laid out in Python lists: the step's host work is on its critical
-    path (as models/kv_cache.PagedKVCache._layout)."""
+    """A Verify's drafts -> host (k [B], starts: each request's first logit row) and device (drafts [B, K], k [B],
+    idx [B, K+1]: b's logit rows), one transfer before the step, from Python lists (host work on its critical path)."""
     B, K = len(drafts), max(len(d) for d in drafts)
     k = [len(d) for d in drafts]
     starts = list(accumulate((n + 1 for n in k[:-1]), initial=0))
     last = sum(k) + B - 1                                                        # the last logit row
-    flat = array("q", [t for d in drafts for t in (*d, *[0] * (K - len(d)))])
-    flat.extend(k)
+    flat = array("q", [t for d in drafts for t in (*d, *[0] * (K - len(d)))] + k)
     flat.extend(min(s + j, last) for s in starts for j in range(K + 1))
-    packed = torch.frombuffer(flat, dtype=torch.long).to(dev, non_blocking=True)
-    drafts_dev, k_dev, idx = packed[:B * K].view(B, K), packed[B * K:B * K + B], packed[B * K + B:].view(B, K + 1)
-    return torch.tensor(k), starts, drafts_dev, k_dev, idx
+    p = torch.frombuffer(flat, dtype=torch.long).to(dev, non_blocking=True)
+    return torch.tensor(k), starts, p[:B * K].view(B, K), p[B * K:B * K + B], p[B * K + B:].view(B, K + 1)
 
 
 class TargetEngine:
@@ -185,8 +181,7 @@ class TargetEngine:
                 synthetic = [target, drafts]
         else:
             p = self._probs(logits, [r.sampling for (_, d, _), r in zip(items, reqs) for _ in range(len(d) + 1)])
-            valid = torch.arange(K + 1)[None, :] <= k[:, None]                       # [B, K+1]
-            p = p[idx] * valid.to(dev)[..., None]                                    # [B, K+1, V]
+            p = p[idx] * (torch.arange(K + 1)[None, :] <= k[:, None]).to(dev)[..., None]   # [B, K+1, V]: rows <= k
             q = torch.zeros(B, K, V, device=dev)
             for b, (_, d, qb) in enumerate(items):
                 if isinstance(qb, TopQ):
