@@ -68,6 +68,8 @@ class GatewayMetrics(Observer):
             buckets=ACCEPTANCE_BUCKETS, registry=r)
         self.registry.register(_Collector(self))
         self._last = SpecStats()
+        self._itl = self.itl.labels(model_name)                             # observed per token: looked up once
+        self._generated = self.generation_tokens.labels(model_name)
 
     def attach(self, scheduler, services: dict) -> None:
         self.scheduler, self.services = scheduler, services
@@ -85,10 +87,10 @@ class GatewayMetrics(Observer):
             self.ttft.labels(self.model_name).observe(now - r.arrival)
             self.prompt_tokens.labels(self.model_name).inc(len(r.prompt_ids))
         elif n:
-            child = self.itl.labels(self.model_name)
+            gap = (now - r.last_token_time) / n
             for _ in range(n):
-                child.observe((now - r.last_token_time) / n)
-        self.generation_tokens.labels(self.model_name).inc(n)
+                self._itl.observe(gap)
+        self._generated.inc(n)
 
     def finished(self, r: GenRequest, reason: str | None, now: float) -> None:
         if reason:

@@ -100,22 +100,31 @@ class GenRequest:
 
     def take(self, tokens: list[int], logprobs: list | None, eos: set[int]) -> tuple[list[int], str, str | None]:
         """Append the target's tokens to the output up to the first that ends the request (EOS, one that
-        completes a stop string, max_tokens) -> (tokens taken, their text, finish reason or None)."""
-        new, text, finish, stopped = [], "", None, False
+        completes a stop string, max_tokens) -> (tokens taken, their text, finish reason or None). The round's
+        tokens are detokenized together; only when a stop string ends them are they replayed one by one, to
+        find the token that completed it."""
+        new, finish, end = [], None, None
         for i, t in enumerate(tokens):
             if not self.ignore_eos and t in eos:
-                finish = "stop"
-                self.eos = (t, logprobs[i] if logprobs and i < len(logprobs) else None)
+                finish, end = "stop", (t, logprobs[i] if logprobs and i < len(logprobs) else None)
                 break
             new.append(t)
-            delta, stopped = self.text.add([t])
-            text += delta
-            if stopped:
-                finish = "stop"
-                break
             if len(self.output_ids) + len(new) >= self.max_tokens:
                 finish = "length"
                 break
+        mark = self.text.mark()
+        text, stopped = self.text.add(new) if new else ("", False)
+        if stopped and len(new) > 1:
+            self.text.restore(mark)
+            text, taken, stopped = "", 0, False
+            while not stopped and taken < len(new):
+                delta, stopped = self.text.add([new[taken]])
+                text, taken = text + delta, taken + 1
+            new = new[:taken]
+        if stopped:
+            finish = "stop"
+        elif end is not None:
+            self.eos = end
         self.output_ids += new
         if finish and not stopped:
             text += self.text.flush()

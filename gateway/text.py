@@ -85,6 +85,14 @@ class TextStream:
             safe = max(self.sent, len(text[:safe].rstrip("\ufffd")))
         return self._emit(text[:safe]), False
 
+    def mark(self) -> tuple:
+        """The stream's state, for `restore`: add() only appends ids and advances these."""
+        return len(self.ids), self.sent, self.done, self.prefix, self.read, self._read_text
+
+    def restore(self, mark: tuple) -> None:
+        n, self.sent, self.done, self.prefix, self.read, self._read_text = mark
+        del self.ids[n:]
+
     def flush(self) -> str:
         """The held-back tail, once the request ends for another reason."""
         return self._emit(self.text())

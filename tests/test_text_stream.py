@@ -116,3 +116,42 @@ def test_a_stop_string_longer_than_the_text_so_far_is_never_half_emitted():
     s = TextStream(Chars(), ["qabzzz"])
     out = [s.add([ord(c)]) for c in "qabzzz"]
     assert "".join(d for d, _ in out) == "" and out[-1][1]    # was "q": text[:len - hold] went negative
+
+
+@pytest.mark.parametrize("kind", ["bundled", "metaspace"])
+def test_a_round_of_tokens_is_taken_as_one_token_at_a_time_would_be(kind):
+    """GenRequest.take detokenizes a round's tokens together and replays them one by one only when a stop string
+    ends them: tokens taken, text, finish reason and the EOS it records equal those of taking the same tokens one
+    at a time (EOS, stop strings inside and across tokens, max_tokens, the stop string after an EOS in a round)."""
+    from gateway.request import GenRequest
+    from tandem.v1 import rows_pb2
+    tok = Tokenizer.from_file(str(default_model() / "tokenizer.json")) if kind == "bundled" else metaspace()
+    rng, vocab, eos = random.Random(1), tok.get_vocab_size(), {3}
+    stopped_mid_round = 0
+    for case in range(120):
+        ids = ([t for t in tok.encode(TEXTS[case % len(TEXTS)]).ids] if kind == "bundled" and case < 10 else
+               [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))])
+        if case % 7 == 0:
+            ids.insert(rng.randrange(len(ids) + 1), 3)                     # an EOS somewhere
+        stop = [[], ["\n"], ["return", "😀"], ["zz", "  "], ["é"], ["lo", "b"]][case % 6]
+        max_tokens = rng.randrange(5, 70)
+        reqs = [GenRequest(f"r{case}-{i}", [1], max_tokens, rows_pb2.SamplingParams(), TextStream(tok, stop))
+                for i in range(2)]
+        got = []
+        for r, rounds in zip(reqs, ([[t] for t in ids], None)):
+            if rounds is None:                                              # rounds of 1..5 tokens
+                rounds, at = [], 0
+                while at < len(ids):
+                    n = rng.randrange(1, 6)
+                    rounds.append(ids[at:at + n])
+                    at += n
+            taken, text, finish = [], "", None
+            for chunk in rounds:
+                new, delta, finish = r.take(chunk, None, eos)
+                taken, text = taken + new, text + delta
+                if finish:
+                    stopped_mid_round += finish == "stop" and len(new) < len(chunk) - (3 in chunk)
+                    break
+            got.append((taken, text, finish, r.eos, r.output_ids))
+        assert got[1] == got[0], (case, stop)
+    assert stopped_mid_round > 5                                            # the replay path ran
