@@ -275,7 +275,7 @@ class PagedKVCache:
         # built on the host in one array, moved in one transfer: [positions N | slots N | token_request N |
         # context_lens B | query_start B+1 | block_tables B*MB], the int32 part cast once on the device; each part
         # starts 16-byte aligned (aligned_parts). Python lists, not ~25 small CPU tensor ops: a decode step's layout
-        # is on its critical path (batch 1: 0.18-0.21 -> 0.03 ms on this project's CPU VM; BENCHMARKS.md)
+        # is on its critical path (BENCHMARKS.md, twenty-second session, item 6)
         bs, B, N = self.block_size, len(request_ids), sum(query_lens)
         tables = [self._tables[r] for r in request_ids]
         mb = max([len(t) for t in tables] + [1])
