@@ -3,7 +3,8 @@
 A graph is captured per bucket (B_pad requests, N_pad tokens): B_pad the next of BATCH_BUCKETS >= B,
 N_pad the next power of two >= N; at start for every bucket up to a batch size (`enable(warmup_batch=)`,
 as the services do), else on a bucket's first use. Every tensor the forward reads is a static
-buffer of that shape; each replay rewrites the real rows in place and points the padding at
+buffer of that shape (a models.batch.Stage, one per bucket, which the cache lays each step of that shape
+out into: one host-to-device copy and one cast, the input ids included); the padding points at
   - a padding request (index >= B) with context length 0 (its attention output is zero), and
   - one scratch cache slot that no request owns (the padding tokens' K/V writes land there).
 Rows past N of the output are garbage and never returned.
@@ -15,12 +16,14 @@ graphs are not wired here).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
 
-from models.kv_cache import AttentionBatch, PagedKVCache
+from models.batch import Stage, lay_out
+from models.kv_cache import PagedKVCache
 
 log = logging.getLogger("tandem.graphs")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -42,37 +45,59 @@ class GraphedForward:
                  max_tokens: int = 512, extra_rows: int = 0):
         self.fn, self.cache, self.extra_rows = fn, cache, extra_rows
         self.hidden_size, self.dtype = hidden_size, dtype
-        self.max_blocks = -(-max_model_len // cache.block_size) + 1            # fixed table width
+        # fixed table width: a request's blocks, at most max_model_len's (+1) and at most the pool's
+        self.max_blocks = min(-(-max_model_len // cache.block_size) + 1, cache.num_blocks)
         self.token_buckets = tuple(1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens)
         self.graphs: dict[tuple, tuple] = {}
+        self.stages: dict[tuple[int, int], Stage] = {}
         self.pool = None
         cache.allocate(PAD_REQUEST)                      # one block held for the padding tokens' writes
         cache.extend(PAD_REQUEST, 1)
         self.scratch_slot = cache._tables[PAD_REQUEST][0] * cache.block_size
         self.reserved_blocks = len(cache._tables[PAD_REQUEST])   # never a request's (GetInfo leaves it out)
         self.replays = self.eager = 0
+        cache.staging = self.stage                       # steps of a bucket's shape are laid out into its buffers
 
-    def bucket(self, batch: AttentionBatch) -> tuple[int, int] | None:
-        B, N = len(batch.query_lens), batch.num_tokens
+    def bucket(self, B: int, N: int, width: int) -> tuple[int, int] | None:
         bp, n_pad = _bucket(B, BATCH_BUCKETS), _bucket(N, self.token_buckets)
-        if bp is None or n_pad is None or batch.block_tables.shape[1] > self.max_blocks:
+        if bp is None or n_pad is None or width > self.max_blocks:
             return None
         return bp, max(n_pad, bp)                        # every padding request is given >= 0 tokens
 
+    def stage(self, B: int, N: int, width: int) -> Stage | None:
+        """The input buffers of the bucket a step of B requests, N tokens and tables `width` wide replays in (the
+        cache lays its steps out into them: PagedKVCache.staging), None where it runs eagerly."""
+        key = self.bucket(B, N, width)
+        if key is None:
+            return None
+        if key not in self.stages:
+            bp, n = key
+            rows = [torch.zeros(n, self.hidden_size, dtype=self.dtype, device=self.cache.device)
+                    for _ in range(self.extra_rows)]
+            self.stages[key] = Stage.new(n, bp, self.max_blocks, self.scratch_slot, self.cache.device, rows)
+        return self.stages[key]
+
     def __call__(self, tokens: torch.Tensor, *args, **kw):
         rows, batch = args[:self.extra_rows], args[self.extra_rows]          # then the cache
-        key = self.bucket(batch)
-        if key is None:
+        stage = self.stage(len(batch.query_lens), batch.num_tokens, batch.block_tables.shape[1])
+        if stage is None:
             self.eager += 1
             return self.fn(tokens, *args, **kw)
-        key = key + tuple(sorted(kw.items()))
+        key = (stage.b, stage.n) + tuple(sorted(kw.items()))
         if key not in self.graphs:
-            self.graphs[key] = self._capture(key[0], key[1], kw)
-        graph, static, out = self.graphs[key]
-        self._fill(static, tokens, rows, batch)
+            self.graphs[key] = self._capture(stage, kw)
+        graph, out = self.graphs[key]
+        N = batch.num_tokens
+        if not stage.holds(batch):                       # laid out elsewhere: lay it out again into the stage
+            lay_out(batch.request_ids, batch.host_block_tables.tolist(), batch.host_starts, batch.query_lens,
+                    self.cache.block_size, self.cache.device, stage=stage)
+        if tokens.data_ptr() != stage.packed.data_ptr():  # ids not laid out with the batch
+            stage.packed[:N].copy_(tokens)
+        for buf, r in zip(stage.rows, rows):
+            buf[:N].copy_(r)
         graph.replay()
         self.replays += 1
-        return out[: batch.num_tokens]
+        return out[:N]
 
     def warmup(self, max_batch: int = 64, **kw) -> int:
         """Capture every (batch bucket <= max_batch, token bucket >= it) now, so that no request waits on a
@@ -82,67 +107,31 @@ class GraphedForward:
             for tokens in (t for t in self.token_buckets if t >= bp):
                 key = (bp, tokens) + tuple(sorted(kw.items()))
                 if key not in self.graphs:
-                    self.graphs[key] = self._capture(bp, tokens, kw)
+                    self.graphs[key] = self._capture(self.stage(bp, tokens, 1), kw)
                     n += 1
         return n
 
-    # --- static buffers ------------------------------------------------------------------------
-    def _static(self, bp: int, n: int) -> dict:
-        dev = self.cache.device
-        s = {"tokens": torch.zeros(n, dtype=torch.long, device=dev),
-             "positions": torch.zeros(n, dtype=torch.long, device=dev),
-             "slot_mapping": torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev),
-             "token_request": torch.full((n,), bp - 1, dtype=torch.int32, device=dev),
-             "context_lens": torch.zeros(bp, dtype=torch.int32, device=dev),
-             "query_start": torch.zeros(bp + 1, dtype=torch.int32, device=dev),
-             "block_tables": torch.zeros(bp, self.max_blocks, dtype=torch.int32, device=dev),
-             "rows": [torch.zeros(n, self.hidden_size, dtype=self.dtype, device=dev)
-                      for _ in range(self.extra_rows)]}
-        s["batch"] = AttentionBatch(
-            positions=s["positions"], slot_mapping=s["slot_mapping"], token_request=s["token_request"],
-            context_lens=s["context_lens"], query_start=s["query_start"], block_tables=s["block_tables"],
-            query_lens=[n // bp] * bp, request_ids=[f"\0pad{i}" for i in range(bp)],
-            block_size=self.cache.block_size, attention_backend="triton")
-        return s
-
-    def _fill(self, s: dict, tokens, rows, batch: AttentionBatch) -> None:
-        # real rows first; padding: request bp - 1 (context 0, when B < bp) or beyond N_real
-        N, B, mb = batch.num_tokens, len(batch.query_lens), batch.block_tables.shape[1]
-        s["tokens"][:N].copy_(tokens)
-        s["positions"][:N].copy_(batch.positions)
-        s["positions"][N:].zero_()
-        s["slot_mapping"][:N].copy_(batch.slot_mapping)
-        s["slot_mapping"][N:].fill_(self.scratch_slot)
-        s["token_request"][:N].copy_(batch.token_request)
-        s["token_request"][N:].fill_(s["context_lens"].shape[0] - 1)          # request bp - 1
-        s["context_lens"].zero_()
-        s["context_lens"][:B].copy_(batch.context_lens)
-        s["query_start"][: B + 1].copy_(batch.query_start)
-        s["query_start"][B + 1:].fill_(N)
-        s["block_tables"][:B, :mb].copy_(batch.block_tables)
-        for buf, r in zip(s["rows"], rows):
-            buf[:N].copy_(r)
-        # with B == bp the padding tokens borrow request bp - 1: at position 0 they read its key 0 only
-        # and write the scratch slot, so its cache is untouched
-
-    def _capture(self, bp: int, n: int, kw: dict):
-        s = self._static(bp, n)
-        args = (*s["rows"], s["batch"], self.cache)
+    def _capture(self, stage: Stage, kw: dict):
+        # the graph reads the stage's buffers: all of the bucket's graphs (the draft's per-step ones) share them
+        full = stage.batch()
+        batch = dataclasses.replace(full, query_lens=[stage.n // stage.b] * stage.b, attention_backend="triton",
+                                    request_ids=[f"\0pad{i}" for i in range(stage.b)], block_size=self.cache.block_size)
+        ids, args = full.input_ids, (*stage.rows, batch, self.cache)
         stream = torch.cuda.Stream(self.cache.device)
         stream.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):                           # warm-up: Triton compiles, allocator settles
-                self.fn(s["tokens"], *args, **kw)
+                self.fn(ids, *args, **kw)
         torch.cuda.current_stream(self.cache.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # the engine's own stream: torch.cuda.graph's default capture stream is one per process, made on the
         # GPU that captured first, and would move a second engine's capture (draft on cuda:1) to that GPU
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
                                                       capture_error_mode="thread_local"):
-            out = self.fn(s["tokens"], *args, **kw)
+            out = self.fn(ids, *args, **kw)
         self.pool = graph.pool()
-        log.debug("captured CUDA graph: %d requests, %d tokens %s", bp, n, kw or "")
-        return graph, s, out
+        log.debug("captured CUDA graph: %d requests, %d tokens %s", stage.b, stage.n, kw or "")
+        return graph, out
 
 
 def enable(engine, extra_rows: int = 0, max_tokens: int = 512, warmup_batch: int = 0) -> None:

@@ -11,13 +11,12 @@ start a request on cached blocks found by `lookup`, `seal` names its full blocks
 """
 from __future__ import annotations
 
-from array import array
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from infra.errors import KV_CACHE_FULL
+from models.batch import AttentionBatch, Stage, aligned_parts, lay_out  # noqa: F401 (re-exported)
 from models.prefix_cache import BlockPool, PoolExhausted
 
 INDEX_SCORINGS = ("exact", "deployed")      # kernels/dsa.py: fp32 scores / Hadamard + fp8 keys
@@ -58,81 +57,6 @@ class UnknownRequestError(KeyError):
     """A request id the cache does not hold (never allocated, or released)."""
 
 
-@dataclass
-class AttentionBatch:
-    """Per-step layout shared by all layers. N new tokens of B requests, flattened request-major.
-
-    The device tensors below are what the kernels read (fixed shapes given N, B and the table width,
-    so a CUDA graph can hold them as static buffers); the reference fields (`context_slots`,
-    `query_pad_index`, `mask`) are built from the host copy on first use, for the PyTorch path only.
-    """
-    positions: torch.Tensor       # [N] int64 absolute position of each new token
-    slot_mapping: torch.Tensor    # [N] int64 flat cache slot the new token is written to
-    token_request: torch.Tensor   # [N] int32 request index b of each new token
-    context_lens: torch.Tensor    # [B] int32 keys request b attends after this step (start + query len)
-    query_start: torch.Tensor     # [B + 1] int32 first row of each request's tokens (qo_indptr)
-    block_tables: torch.Tensor    # [B, max_blocks] int32 page ids of each request, 0-padded
-    query_lens: list[int]
-    request_ids: list[str]
-    block_size: int = 16
-    host_block_tables: torch.Tensor | None = None   # CPU copy of block_tables (planning, reference)
-    host_starts: list[int] | None = None            # context length of each request before this step
-    attention_backend: str | None = None            # force 'triton' / 'reference' / ... (graphs: 'triton')
-    plans: dict = field(default_factory=dict, repr=False)   # per-step backend state (e.g. a FlashInfer plan)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.shape[0])
-
-    def last_token_index(self) -> torch.Tensor:
-        # [B] row of each request's last new token in the flattened [N] layout
-        ends = torch.tensor(self.query_lens, device=self.positions.device).cumsum(0)
-        return ends - 1
-
-    # --- reference layout (kernels/mla.py): padded [B, Lmax] context, dense mask ----------
-    @property
-    def context_slots(self) -> torch.Tensor:    # [B, Lmax] flat slots of each request's context (0-padded)
-        return self._reference()[0]
-
-    @property
-    def query_pad_index(self) -> torch.Tensor:  # [N] index into a [B * Tmax] padded query layout
-        return self._reference()[1]
-
-    @property
-    def mask(self) -> torch.Tensor:             # [B, Tmax, Lmax] True where the query may attend the key
-        return self._reference()[2]
-
-    def _reference(self):
-        if "reference" not in self.plans:
-            starts, lens, bs = self.host_starts, self.query_lens, self.block_size
-            B, tmax = len(lens), max(lens, default=0)
-            ctx = [s + n for s, n in zip(starts, lens)]
-            lmax = max(ctx, default=0)
-            j = torch.arange(lmax)
-            slots = self.host_block_tables.long().gather(1, (j // bs)[None].expand(B, -1).clamp(
-                max=self.host_block_tables.shape[1] - 1)) * bs + j % bs                # [B, Lmax]
-            slots = slots.masked_fill(j[None, :] >= torch.tensor(ctx)[:, None], 0)
-            pad = torch.cat([torch.arange(n) + b * tmax for b, n in enumerate(lens)]) if B else torch.zeros(0).long()
-            qpos = torch.tensor(starts)[:, None] + torch.arange(tmax)[None, :]         # [B, Tmax]
-            mask = j[None, None, :] <= qpos[:, :, None]                                 # causal over context
-            dev = self.positions.device
-            self.plans["reference"] = (slots.to(dev), pad.to(dev), mask.to(dev))
-        return self.plans["reference"]
-
-
-def aligned_parts(parts: list[list[int]], multiple: int = 4) -> tuple[torch.Tensor, list[int]]:
-    """Host int lists laid end to end in one int64 tensor, each from a multiple of `multiple` elements (4: 16 bytes
-    as int32 or int64), zeros between -> (flat, start of each). Triton compiles a kernel once per alignment of its
-    pointers: views at offsets of N elements would make an eager step of another N mod 4 compile a variant mid-run
-    (about a second). Built as an array, not by torch.tensor(list) (3-4x slower per element)."""
-    flat, starts = array("q"), []
-    for p in parts:
-        starts.append(len(flat))
-        flat.extend(p)
-        flat.extend([0] * (-len(flat) % multiple))
-    return torch.frombuffer(flat, dtype=torch.long), starts
-
-
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int,
                  rope_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -158,6 +82,7 @@ class PagedKVCache:
         self._lengths: dict[str, int] = {}
         self._keys: dict[str, list[bytes]] = {}              # prefix caching: keys of each table's named blocks
         self._sealed: dict[str, int] = {}                    # positions a request may not roll back past
+        self.staging = None     # (B, N, table width) -> a graph bucket's Stage or None (models/cuda_graphs.py)
 
     def layer(self, i: int) -> LayerKV:
         return LayerKV(self.ckv[i], self.kpe[i], None if self.index_k is None else self.index_k[i],
@@ -253,13 +178,18 @@ class PagedKVCache:
                 del d[request_id]
 
     # --- one step ------------------------------------------------------------------------------
-    def prepare(self, request_ids: list[str], query_lens: list[int]) -> AttentionBatch:
-        """Extend each request by its new-token count and lay out the step's attention batch.
+    def prepare(self, request_ids: list[str], query_lens: list[int],
+                tokens: list[int] | None = None) -> AttentionBatch:
+        """Extend each request by its new-token count and lay out the step's attention batch (with `tokens`, the
+        step's input ids, flattened request-major, in the same transfer: batch.input_ids). Where `staging` gives a
+        CUDA graph bucket's buffers for the step's shape, the batch is laid out into them (models/batch.py).
 
         All-or-nothing: if the pool cannot hold the whole step, nothing is extended.
         """
         if len(request_ids) != len(query_lens) or len(set(request_ids)) != len(request_ids):
             raise ValueError("request_ids must be unique and match query_lens")
+        if tokens is not None and len(tokens) != sum(query_lens):
+            raise ValueError(f"tokens: expected {sum(query_lens)} (the step's new tokens), got {len(tokens)}")
         for rid in request_ids:
             self._check(rid)
         need = sum(self.blocks_needed(r, n) for r, n in zip(request_ids, query_lens))
@@ -269,31 +199,11 @@ class PagedKVCache:
         starts = [self._lengths[r] for r in request_ids]
         for r, n in zip(request_ids, query_lens):
             self.extend(r, n)
-        return self._layout(request_ids, query_lens, starts)
+        return self._layout(request_ids, query_lens, starts, tokens)
 
-    def _layout(self, request_ids: list[str], query_lens: list[int], starts: list[int]) -> AttentionBatch:
-        # built on the host in one array, moved in one transfer: [positions N | slots N | token_request N |
-        # context_lens B | query_start B+1 | block_tables B*MB], the int32 part cast once on the device; each part
-        # starts 16-byte aligned (aligned_parts). Python lists, not ~25 small CPU tensor ops: a decode step's layout
-        # is on its critical path (BENCHMARKS.md, twenty-second session, item 6)
-        bs, B, N = self.block_size, len(request_ids), sum(query_lens)
+    def _layout(self, request_ids: list[str], query_lens: list[int], starts: list[int],
+                tokens: list[int] | None) -> AttentionBatch:
         tables = [self._tables[r] for r in request_ids]
-        mb = max([len(t) for t in tables] + [1])
-        pos, slots, req, qstart = [], [], [], [0]
-        for b, (t, s, n) in enumerate(zip(tables, starts, query_lens)):
-            pos += range(s, s + n)
-            for j in range(s // bs, -(-(s + n) // bs)):                           # slots: runs within a block
-                slots += range(t[j] * bs + max(s - j * bs, 0), t[j] * bs + min(s + n - j * bs, bs))
-            req += [b] * n
-            qstart.append(qstart[-1] + n)
-        flat_tables = [x for t in tables for x in t + [0] * (mb - len(t))]
-        host, at = aligned_parts([pos, slots, req, [s + n for s, n in zip(starts, query_lens)], qstart, flat_tables])
-        packed = host.to(self.device)
-        small = packed[at[2]:].to(torch.int32)
-        i32 = [a - at[2] for a in at[2:]]
-        return AttentionBatch(
-            positions=packed[at[0]:at[0] + N], slot_mapping=packed[at[1]:at[1] + N], token_request=small[:N],
-            context_lens=small[i32[1]:i32[1] + B], query_start=small[i32[2]:i32[2] + B + 1],
-            block_tables=small[i32[3]:i32[3] + B * mb].view(B, mb), query_lens=list(query_lens),
-            request_ids=list(request_ids), block_size=bs,
-            host_block_tables=host[at[5]:at[5] + B * mb].view(B, mb).to(torch.int32), host_starts=starts)
+        width = max([len(t) for t in tables] + [1])
+        stage = self.staging(len(tables), sum(query_lens), width) if self.staging else None
+        return lay_out(request_ids, tables, starts, query_lens, self.block_size, self.device, tokens, stage)

@@ -26,13 +26,12 @@ def forward_tokens(model, cache: PagedKVCache, seqs: dict[str, list[int]]) -> to
     for r in new:
         cache.allocate(r)
     try:
-        batch = cache.prepare(ids, [len(seqs[r]) for r in ids])
+        batch = cache.prepare(ids, [len(seqs[r]) for r in ids], [t for r in ids for t in seqs[r]])
     except Exception:  # a step that does not fit (CacheFullError) leaves no request behind
         for r in new:
             cache.release(r)
         raise
-    tokens = torch.tensor([t for r in ids for t in seqs[r]], device=cache.device)
-    return model(tokens, batch, cache)
+    return model(batch.input_ids, batch, cache)
 
 
 @torch.inference_mode()

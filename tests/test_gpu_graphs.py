@@ -19,17 +19,19 @@ def tiny(tmp_path_factory):
             load_model(DraftModel, path, dtype=torch.float32, device="cuda"))
 
 
-def _steps(model, cache, fn, plan, hidden_size=None):
-    """Run the same schedule of steps: plan = list of {request: n new tokens}; returns outputs."""
+def _steps(model, cache, fn, plan, hidden_size=None, ids_in_layout=True):
+    """Run the same schedule of steps: plan = list of {request: n new tokens}; returns outputs. ids_in_layout: the
+    input ids travel with the step's layout (batch.input_ids), else as a tensor of their own."""
     g = torch.Generator().manual_seed(0)
     outs = []
     for step in plan:
         for r in step:
             if r not in cache:
                 cache.allocate(r)
-        batch = cache.prepare(list(step), list(step.values()))
-        n = batch.num_tokens
-        tokens = torch.randint(3, model.cfg.vocab_size, (n,), generator=g).cuda()
+        n = sum(step.values())
+        tokens = torch.randint(3, model.cfg.vocab_size, (n,), generator=g)
+        batch = cache.prepare(list(step), list(step.values()), tokens.tolist() if ids_in_layout else None)
+        tokens = batch.input_ids if ids_in_layout else tokens.cuda()
         with torch.inference_mode():
             if hidden_size:
                 rows = torch.randn(n, hidden_size, generator=g).cuda()
@@ -46,16 +48,21 @@ PLAN = [{"a": 9, "b": 11, "c": 20},           # prefill: 40 tokens
         {"a": 4, "b": 4, "c": 4, "d": 7}]     # a new request joins
 
 
+@pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize("which", ["target", "draft"])
-def test_graph_replay_equals_eager(tiny, which, monkeypatch):
+def test_graph_replay_equals_eager(tiny, which, staged, monkeypatch):
+    """staged: the cache lays each step out into its bucket's buffers (as the engines run); else the step is laid out
+    on its own and the replay lays it out again into them (ids copied in)."""
     monkeypatch.setenv("TANDEM_ATTENTION", "triton")
     model = tiny[0] if which == "target" else tiny[1]
     D = model.cfg.hidden_size if which == "draft" else None
     eager_cache, graph_cache = new_cache(model, 64), new_cache(model, 64)
-    eager = _steps(model, eager_cache, model, PLAN, D)
+    eager = _steps(model, eager_cache, model, PLAN, D, ids_in_layout=False)
     graphed = GraphedForward(model, graph_cache, model.cfg.hidden_size, torch.float32, max_model_len=256,
                              max_tokens=32, extra_rows=1 if D else 0)
-    replayed = _steps(model, graph_cache, graphed, PLAN, D)
+    if not staged:
+        graph_cache.staging = None
+    replayed = _steps(model, graph_cache, graphed, PLAN, D, ids_in_layout=staged)
     assert graphed.replays == 4 and graphed.eager == 1           # the 40-token prefill is above max_tokens
     for e, r in zip(eager, replayed):
         torch.testing.assert_close(r, e, rtol=1e-4, atol=1e-4)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import prefill_then_decode, tiny_model, tokens
-from models.kv_cache import CacheFullError, PagedKVCache, UnknownRequestError
+from models.kv_cache import CacheFullError, PagedKVCache, UnknownRequestError, Stage
 from models.runner import forward_tokens, new_cache
 
 BLOCK = 16
@@ -167,3 +167,36 @@ def test_step_layout_views_start_16_byte_aligned(lens):
     assert tables.tolist() == [cache._tables[r] + [0] * (width - len(cache._tables[r])) for r in ids]
     want = [int(tables[b, p // 4]) * 4 + p % 4 for b, n in enumerate(lens) for p in range(3, 3 + n)]
     assert batch.slot_mapping.tolist() == want
+
+
+@pytest.mark.parametrize("steps", [[[3, 1], [1]], [[1, 1, 1, 1], [2, 5]], [[7], [4, 4, 4]]])
+def test_step_laid_out_into_a_graph_stage(steps):
+    """With `staging` (a CUDA graph bucket's buffers, models/cuda_graphs.py), a step is laid out into the stage:
+    its real fields equal the plain layout's, the input ids ride in the same transfer, and the padding rows point
+    at position 0, the scratch slot and the last padding request (context 0, query start N); a later, smaller step
+    of the same bucket leaves nothing of the earlier one behind but table entries past the requests' contexts."""
+    plain, staged = PagedKVCache(1, 64, 4, 8, 4), PagedKVCache(1, 64, 4, 8, 4)
+    stage = Stage.new(16, 4, 8, scratch_slot=252, device="cpu")
+    staged.staging = lambda B, N, width: stage if B <= 4 and N <= 16 and width <= 8 else None
+    for c in (plain, staged):
+        for r in "abcd":
+            c.allocate(r)
+    for step, lens in enumerate(steps):
+        ids, N, B = list("abcd"[:len(lens)]), sum(lens), len(lens)
+        toks = [100 * step + i for i in range(N)]
+        want, got = plain.prepare(ids, lens), staged.prepare(ids, lens, toks)
+        assert stage.holds(got) and not stage.holds(want) and want.input_ids is None
+        assert got.input_ids.tolist() == toks
+        for f in ("positions", "slot_mapping", "token_request", "context_lens", "query_start"):
+            assert getattr(got, f).tolist() == getattr(want, f).tolist(), f
+        assert got.block_tables.tolist() == want.block_tables.tolist() == got.host_block_tables.tolist()
+        full = stage.batch()                                                 # what the graph reads
+        assert full.positions[N:].tolist() == [0] * (16 - N) and full.slot_mapping[N:].tolist() == [252] * (16 - N)
+        assert full.token_request[N:].tolist() == [3] * (16 - N) and full.input_ids[N:].tolist() == [0] * (16 - N)
+        assert full.context_lens[B:].tolist() == [0] * (4 - B) and full.query_start[B + 1:].tolist() == [N] * (4 - B)
+        w = want.block_tables.shape[1]
+        assert full.block_tables[:B, :w].tolist() == want.block_tables.tolist() and full.block_tables.shape == (4, 8)
+    before = plain.length("a")
+    with pytest.raises(ValueError, match="tokens: expected 2"):
+        plain.prepare(["a"], [2], [1, 2, 3])
+    assert plain.length("a") == before                                       # nothing extended

@@ -182,11 +182,10 @@ class DraftEngine:
         return found
 
     def _step(self, ids: list[str], toks: list[list[int]], hidden: torch.Tensor, step: int) -> torch.Tensor:
-        batch = self.cache.prepare(ids, [len(t) for t in toks])
-        tokens = torch.tensor([t for ts in toks for t in ts], device=self.cache.device)
-        out = self.forward(tokens, hidden.to(self.cache.device, next(self.model.parameters()).dtype),
+        batch = self.cache.prepare(ids, [len(t) for t in toks], [t for ts in toks for t in ts])
+        out = self.forward(batch.input_ids, hidden.to(self.cache.device, next(self.model.parameters()).dtype),
                            batch, self.cache, step=step % self.model.num_cache_layers)
-        return expect_rows(out, tokens.shape[0], "the MTP block")
+        return expect_rows(out, batch.num_tokens, "the MTP block")
 
     def _pick(self, hidden: torch.Tensor, ids: list[str]):
         """hidden [M, D] of requests `ids` -> (token, q) per row: argmax when greedy (q None), else a draw from q

@@ -253,11 +253,11 @@ class TargetEngine:
 
     def _forward(self, seqs: dict[str, list[int]]) -> torch.Tensor:
         try:
-            batch = self.cache.prepare(list(seqs), [len(s) for s in seqs.values()])
+            batch = self.cache.prepare(list(seqs), [len(s) for s in seqs.values()],
+                                       [t for s in seqs.values() for t in s])
         except CacheFullError as e:
             raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
-        tokens = torch.tensor([t for s in seqs.values() for t in s], device=self.cache.device)
-        return expect_rows(self.forward(tokens, batch, self.cache), tokens.shape[0], "the target model")
+        return expect_rows(self.forward(batch.input_ids, batch, self.cache), batch.num_tokens, "the target model")
 
     def _noise(self, reqs: list[_Request], K: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
         """A sampled Verify's draws, keyed on the device (kernels/noise.py): a request's depend on its own seed

@@ -1,0 +1,181 @@
+"""A step's attention layout (AttentionBatch), built on the host as Python lists in one array and moved to the
+device in one transfer.
+
+`lay_out` writes [input ids N | positions N | slots N | token_request N | context_lens B | query_start B+1 |
+block tables B x W] as int64 (W: the step's widest table), the int32 parts cast on the device. With a `Stage` (a
+CUDA graph bucket's static buffers, models/cuda_graphs.py) the parts are padded to the bucket and land in the
+graph's own input buffers: the padding rows sit at position 0, write the scratch slot and belong to the last
+padding request, whose context is 0; the tables go into the stage's [b, max blocks] buffer by one more copy (past
+a request's context its row holds what an earlier step left: never read). The batch's tensors are then views of
+those buffers, valid until the next step of that bucket.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    """Per-step layout shared by all layers. N new tokens of B requests, flattened request-major.
+
+    The device tensors below are what the kernels read (fixed shapes given N, B and the table width,
+    so a CUDA graph can hold them as static buffers); the reference fields (`context_slots`,
+    `query_pad_index`, `mask`) are built from the host copy on first use, for the PyTorch path only.
+    """
+    positions: torch.Tensor       # [N] int64 absolute position of each new token
+    slot_mapping: torch.Tensor    # [N] int64 flat cache slot the new token is written to
+    token_request: torch.Tensor   # [N] int32 request index b of each new token
+    context_lens: torch.Tensor    # [B] int32 keys request b attends after this step (start + query len)
+    query_start: torch.Tensor     # [B + 1] int32 first row of each request's tokens (qo_indptr)
+    block_tables: torch.Tensor    # [B, max_blocks] int32 page ids of each request, 0-padded
+    query_lens: list[int]
+    request_ids: list[str]
+    block_size: int = 16
+    host_block_tables: torch.Tensor | None = None   # CPU copy of block_tables (planning, reference)
+    host_starts: list[int] | None = None            # context length of each request before this step
+    attention_backend: str | None = None            # force 'triton' / 'reference' / ... (graphs: 'triton')
+    plans: dict = field(default_factory=dict, repr=False)   # per-step backend state (e.g. a FlashInfer plan)
+    input_ids: torch.Tensor | None = None           # [N] int64 the step's tokens, when laid out with them
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    def last_token_index(self) -> torch.Tensor:
+        # [B] row of each request's last new token in the flattened [N] layout
+        ends = torch.tensor(self.query_lens, device=self.positions.device).cumsum(0)
+        return ends - 1
+
+    # --- reference layout (kernels/mla.py): padded [B, Lmax] context, dense mask ----------
+    @property
+    def context_slots(self) -> torch.Tensor:    # [B, Lmax] flat slots of each request's context (0-padded)
+        return self._reference()[0]
+
+    @property
+    def query_pad_index(self) -> torch.Tensor:  # [N] index into a [B * Tmax] padded query layout
+        return self._reference()[1]
+
+    @property
+    def mask(self) -> torch.Tensor:             # [B, Tmax, Lmax] True where the query may attend the key
+        return self._reference()[2]
+
+    def _reference(self):
+        if "reference" not in self.plans:
+            starts, lens, bs = self.host_starts, self.query_lens, self.block_size
+            B, tmax = len(lens), max(lens, default=0)
+            ctx = [s + n for s, n in zip(starts, lens)]
+            lmax = max(ctx, default=0)
+            j = torch.arange(lmax)
+            slots = self.host_block_tables.long().gather(1, (j // bs)[None].expand(B, -1).clamp(
+                max=self.host_block_tables.shape[1] - 1)) * bs + j % bs                # [B, Lmax]
+            slots = slots.masked_fill(j[None, :] >= torch.tensor(ctx)[:, None], 0)
+            pad = torch.cat([torch.arange(n) + b * tmax for b, n in enumerate(lens)]) if B else torch.zeros(0).long()
+            qpos = torch.tensor(starts)[:, None] + torch.arange(tmax)[None, :]         # [B, Tmax]
+            mask = j[None, None, :] <= qpos[:, :, None]                                 # causal over context
+            dev = self.positions.device
+            self.plans["reference"] = (slots.to(dev), pad.to(dev), mask.to(dev))
+        return self.plans["reference"]
+
+
+def aligned_parts(parts: list[list[int]], multiple: int = 4) -> tuple[torch.Tensor, list[int]]:
+    """Host int lists laid end to end in one int64 tensor, each from a multiple of `multiple` elements (4: 16 bytes
+    as int32 or int64), zeros between -> (flat, start of each). Triton compiles a kernel once per alignment of its
+    pointers: views at offsets of N elements would make an eager step of another N mod 4 compile a variant mid-run
+    (about a second). Built as an array, not by torch.tensor(list) (3-4x slower per element)."""
+    flat, starts = array("q"), []
+    for p in parts:
+        starts.append(len(flat))
+        flat.extend(p)
+        flat.extend([0] * (-len(flat) % multiple))
+    return torch.frombuffer(flat, dtype=torch.long), starts
+
+
+@dataclass
+class Stage:
+    """A CUDA graph bucket's input buffers: n tokens of b requests, tables mb wide, on one device. `packed` int64 holds
+    the parts as uploaded (the tables' room is the most a step can send), `small` the token_request | context_lens |
+    query_start parts cast to int32, `tables` the [b, mb] int32 block tables; `rows` the bucket's [n, D] row inputs
+    (the draft's hidden rows)."""
+    n: int
+    b: int
+    mb: int
+    scratch_slot: int
+    packed: torch.Tensor
+    small: torch.Tensor
+    tables: torch.Tensor
+    rows: list = field(default_factory=list)
+
+    @staticmethod
+    def new(n: int, b: int, mb: int, scratch_slot: int, device, rows: list | None = None) -> "Stage":
+        at = _offsets(n, b, b * mb)
+        s = Stage(n, b, mb, scratch_slot, torch.zeros(at[7], dtype=torch.long, device=device),
+                  torch.zeros(at[6] - at[3], dtype=torch.int32, device=device),
+                  torch.zeros(b, mb, dtype=torch.int32, device=device), rows or [])
+        lay_out([], [], [], [], 1, s.packed.device, stage=s)                      # all padding
+        return s
+
+    def holds(self, batch: AttentionBatch) -> bool:
+        return batch.positions.untyped_storage().data_ptr() == self.packed.untyped_storage().data_ptr()
+
+    def batch(self) -> AttentionBatch:
+        """The whole padded layout as one batch (what a graph captures)."""
+        return _views(self.packed, self.small, self.tables, _offsets(self.n, self.b, 0), self.n, self.b)
+
+
+def _offsets(n: int, b: int, table_entries: int, multiple: int = 4) -> list[int]:
+    # where each part starts (as aligned_parts lays them), then the end: ids, positions, slots, token_request,
+    # context_lens, query_start, tables
+    at = [0]
+    for k in (n, n, n, n, b, b + 1, table_entries):
+        at.append(at[-1] + -(-k // multiple) * multiple)
+    return at
+
+
+def _views(packed, small, tables, at, N, B) -> AttentionBatch:
+    i = at[3]
+    return AttentionBatch(
+        input_ids=packed[at[0]:at[0] + N], positions=packed[at[1]:at[1] + N], slot_mapping=packed[at[2]:at[2] + N],
+        token_request=small[:N], context_lens=small[at[4] - i:at[4] - i + B],
+        query_start=small[at[5] - i:at[5] - i + B + 1], block_tables=tables, query_lens=[], request_ids=[])
+
+
+def lay_out(request_ids: list[str], tables: list[list[int]], starts: list[int], query_lens: list[int],
+            block_size: int, device, tokens: list[int] | None = None, stage: Stage | None = None) -> AttentionBatch:
+    """Requests, their block tables, context lengths before the step and new-token counts -> the step's batch (tokens:
+    its input ids, else the ids part holds zeros and batch.input_ids is None). Python lists into one array: a
+    decode step's layout is on its critical path (BENCHMARKS.md, twenty-second session, item 6)."""
+    bs, B, N = block_size, len(query_lens), sum(query_lens)
+    w = max([len(t) for t in tables] + [1])
+    n, b = (N, B) if stage is None else (stage.n, stage.b)
+    pos, slots, req, qstart = [], [], [], [0]
+    for r, (t, s, q) in enumerate(zip(tables, starts, query_lens)):
+        pos += range(s, s + q)
+        for j in range(s // bs, -(-(s + q) // bs)):                               # slots: runs within a block
+            slots += range(t[j] * bs + max(s - j * bs, 0), t[j] * bs + min(s + q - j * bs, bs))
+        req += [r] * q
+        qstart.append(qstart[-1] + q)
+    pad = n - N                                       # padding rows: position 0, scratch slot, request b - 1
+    host, at = aligned_parts([(tokens or [0] * N) + [0] * pad, pos + [0] * pad,
+                              slots + [stage.scratch_slot if stage else 0] * pad, req + [b - 1] * pad,
+                              [s + q for s, q in zip(starts, query_lens)] + [0] * (b - B), qstart + [N] * (b - B),
+                              [x for t in tables for x in t + [0] * (w - len(t))]])
+    at.append(len(host))
+    host_tables = host[at[6]:at[6] + B * w].view(B, w)
+    if stage is None:
+        packed = host.to(device)
+        small = packed[at[3]:].to(torch.int32)
+        dev_tables = small[at[6] - at[3]:at[6] - at[3] + B * w].view(B, w)
+    else:                                             # into the graph's buffers: one transfer, two casts
+        packed, small = stage.packed, stage.small
+        packed[:at[7]].copy_(host)
+        small.copy_(packed[at[3]:at[6]])
+        dev_tables = stage.tables[:B, :w]
+        dev_tables.copy_(packed[at[6]:at[6] + B * w].view(B, w))
+    out = _views(packed, small, dev_tables, at, N, B)
+    out.input_ids = out.input_ids if tokens is not None else None
+    out.query_lens, out.request_ids, out.block_size = list(query_lens), list(request_ids), bs
+    out.host_starts, out.host_block_tables = list(starts), host_tables.to(torch.int32)
+    return out
