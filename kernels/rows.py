@@ -29,3 +29,11 @@ def trim_rows(gathered: torch.Tensor, n: int) -> torch.Tensor:
     # gathered: [tp * S, D] all-gathered shards in rank order -> the true [n, D] (n <= tp * S)
     assert n <= gathered.shape[0], f"trim to {n} rows of {gathered.shape[0]}"
     return gathered[:n]
+
+
+def take_spans(x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    # x: [N, D], spans: [(start, end)] in order -> the spans' rows [sum(end - start), D], always a copy (x may be a
+    # CUDA graph's output buffer, which the next step rewrites): back-to-back spans are one slice, others a gather
+    if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+        return x[spans[0][0]:spans[-1][1]].clone() if spans else x[:0].clone()
+    return x[torch.cat([torch.arange(s, e) for s, e in spans]).to(x.device)]

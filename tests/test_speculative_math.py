@@ -94,3 +94,14 @@ def test_rejection_sampling_respects_num_drafts():
     drafts = torch.tensor([[1, 2]])
     accepted, emitted = rejection_sample(p, q, drafts, torch.tensor([0]), torch.zeros(1, 2), torch.ones(1, V))
     assert accepted.tolist() == [0] and emitted[0, 1:].tolist() == [-1, -1]
+
+
+def test_take_spans_copies_the_committed_rows():
+    """The committed rows of a Verify (services/target/engine.py): back-to-back spans as one slice, others gathered,
+    always a copy (the step's output may be a CUDA graph's buffer that the next step rewrites)."""
+    from kernels.rows import take_spans
+    x = torch.arange(24.).view(12, 2)
+    for spans in ([(0, 12)], [(0, 1), (1, 3), (3, 4)], [(0, 2), (4, 5), (8, 12)], [(5, 6)], []):
+        got = take_spans(x, spans)
+        want = torch.cat([x[s:e] for s, e in spans]) if spans else x[:0]
+        assert torch.equal(got, want) and got.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import flashinfer_sampling
-from kernels.dispatch import argmax_rows, chain_verifier, greedy_verify, rejection_sample, sampling_probs
+from kernels.dispatch import argmax_rows, chain_verifier, greedy_verify, rejection_sample, sampling_probs, take_spans
 from kernels.noise import choose, draw_keys, exp_noise, uniform
 from models.kv_cache import CacheFullError, PagedKVCache
 from infra.errors import ServiceError
@@ -170,8 +170,8 @@ class TargetEngine:
         seqs = {rid: [r.pending_token] + list(d) for (rid, d, _), r in zip(items, reqs)}
         B, K = len(items), max(len(d) for _, d, _ in items)
         V, dev = self.vocab_size, self.cache.device        # acceptance runs where the logits are (Triton on CUDA)
-        k, starts, drafts, k_dev, idx = _round_inputs([d for _, d, _ in items], dev)
         hidden = self._forward(seqs)                                            # [N, D], N = sum(k + 1)
+        k, starts, drafts, k_dev, idx = _round_inputs([d for _, d, _ in items], dev)   # queued behind the step
         logits = self.model.compute_logits(hidden)                               # [N, V]
         synthetic = []                                                          # BENCHMARK ONLY: its inputs
         if all(r.sampling.greedy for r in reqs):
@@ -201,7 +201,7 @@ class TargetEngine:
             accepted, emitted = synthetic_accept(both[:, K + 2:2 * K + 3], both[:, 2 * K + 3:], k,
                                                  self.synthetic_acceptance, [r.generator for r in reqs])
         accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides
-        out_tokens, keep_rows, accepted = [], [], accepted.tolist()                # host lists: no per-item indexing
+        out_tokens, spans, accepted = [], [], accepted.tolist()                    # host lists: no per-item indexing
         for (rid, d, _), r, a, em, s0 in zip(items, reqs, accepted, emitted.tolist(), starts):
             toks = em[: a + 1]
             self.cache.rollback(rid, len(d) - a)                                 # drop rejected positions
@@ -209,12 +209,12 @@ class TargetEngine:
             r.tokens += toks
             self.cache.seal(rid, r.tokens, r.num_tokens - 1)                      # name full committed blocks
             out_tokens.append(toks)
-            keep_rows.append(torch.arange(s0, s0 + a + 1))
-        rows = hidden[torch.cat(keep_rows).to(hidden.device)]
+            spans.append((s0, s0 + a + 1))
+        rows = take_spans(hidden, spans)                                         # the committed rows, copied
         if logprobs is None:
             return Verified(accepted, out_tokens, rows)
-        lps = [token_logprobs(logits[keep.to(logits.device)], toks, n) if n is not None else []
-               for keep, toks, n in zip(keep_rows, out_tokens, logprobs)]
+        lps = [token_logprobs(logits[s:e], toks, n) if n is not None else []
+               for (s, e), toks, n in zip(spans, out_tokens, logprobs)]
         return Verified(accepted, out_tokens, rows, lps)
 
     @torch.inference_mode()
