@@ -34,7 +34,7 @@ from kernels import speculative as _ref_spec
 from kernels.rows import take_spans  # noqa: F401  (a slice or a gather: no kernel of its own)
 from kernels.speculative import argmax_rows, sampling_probs  # noqa: F401  (no Triton kernel: always the reference)
 
-__all__ = ["sampling_probs", "rms_norm", "silu_mul", "rotary", "write_latent", "route", "greedy_verify",
+__all__ = ["sampling_probs", "rms_norm", "silu_mul", "rotary", "write_latent", "route", "greedy_accept",
            "rejection_sample", "pad_rows", "pad_shard_rows", "trim_rows", "index_scores", "sparse_mla",
            "paged_attention", "moe_path", "chain_verifier", "prefill_form", "prefill_attention", "expanded_attention",
            "fp8_linear", "attention_backend", "use_triton", "use_triton_forced", "triton_available", "mode"]
@@ -271,10 +271,10 @@ def sparse_mla(q_lat, q_pe, ckv, kpe, block_tables, token_request, indices, scal
     return (_ref_dsa.sparse_mla if reference else _mod("triton_dsa").sparse_mla_triton)(*args)
 
 
-def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):
-    """target_ids [B, K+1], draft_ids [B, K], num_drafts [B] -> accepted [B], emitted [B, K+1]."""
-    f = _mod("triton_speculative").greedy_verify_triton if use_triton(target_ids) else _ref_spec.greedy_verify
-    return f(target_ids, draft_ids, num_drafts)
+def greedy_accept(logits: torch.Tensor, rows: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):
+    """logits [N, V], rows [B, K+1], drafts [B, K], num_drafts [B] -> (accepted | emitted [B, K+2], target)."""
+    f = _mod("triton_speculative").greedy_accept_triton if use_triton(logits) else _ref_spec.greedy_accept
+    return f(logits, rows, draft_ids, num_drafts)
 
 
 def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,

@@ -93,3 +93,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     vals, idx = x.reshape(M, C, V // C).max(-1)                                  # [M, C]
     c = vals.argmax(-1)                                                          # [M] first chunk with the max
     return c * (V // C) + idx.gather(1, c[:, None]).squeeze(1)
+
+
+def greedy_accept(logits: torch.Tensor, rows: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):
+    """logits [N, V], rows [B, K+1] (each verified position's logit row), draft_ids [B, K], num_drafts [B] ->
+    (accepted | emitted [B, K+2] int64: greedy_verify's two outputs side by side, target [B, K+1]: the argmax)."""
+    target = argmax_rows(logits)[rows]
+    accepted, emitted = greedy_verify(target, draft_ids, num_drafts)
+    return torch.cat([accepted[:, None], emitted.long()], 1), target

@@ -1,4 +1,4 @@
-"""Triton kernels of the acceptance math: greedy verification and lossless rejection sampling.
+"""Triton kernels of the acceptance math: greedy acceptance (argmax and verification) and lossless rejection sampling.
 
 Same signatures, semantics and outputs as kernels/speculative.py (the reference they are tested
 against): accepted [B] int64, emitted [B, K+1] padded with -1 after the accepted + 1 valid tokens.
@@ -17,33 +17,57 @@ import triton.language as tl
 
 
 @triton.jit
-def _greedy_verify_kernel(target_ptr, draft_ptr, nd_ptr, acc_ptr, out_ptr,
-                          s_tb, s_tk, s_db, s_dk, s_ob, s_ok, K,
-                          BLOCK_K: tl.constexpr):
+def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, s_xm, V, C, CHUNK: tl.constexpr):
+    # program (m, c): the max of row m's chunk c (CHUNK logits) and its first index, as a global column
+    m, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    col = c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + m * s_xm + col, mask=col < V, other=float("-inf")).to(tl.float32)
+    best = tl.max(x, 0)
+    first = tl.min(tl.where(x == best, col, V), 0)                # the first column holding the max
+    tl.store(val_ptr + m * C + c, best)
+    tl.store(idx_ptr + m * C + c, first.to(tl.int64))
+
+
+@triton.jit
+def _greedy_accept_kernel(val_ptr, idx_ptr, row_ptr, draft_ptr, nd_ptr, out_ptr, tgt_ptr,
+                          s_rb, s_rk, s_db, s_dk, s_ob, s_ok, s_tb, s_tk, K, C,
+                          BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pos = tl.arange(0, BLOCK_K)                                   # verified positions 0 .. K (< BLOCK_K)
+    c = tl.arange(0, BLOCK_C)
+    row = tl.load(row_ptr + b * s_rb + pos * s_rk, mask=pos <= K, other=0)        # each position's logit row
+    vm = (pos <= K)[:, None] & (c < C)[None, :]
+    v = tl.load(val_ptr + row[:, None] * C + c[None, :], mask=vm, other=float("-inf"))   # [BK, BC] chunk maxima
+    first = tl.min(tl.where((v == tl.max(v, 1)[:, None]) & vm, c[None, :], BLOCK_C), 1)  # first chunk with the max
+    tgt = tl.load(idx_ptr + row * C + first, mask=pos <= K, other=0)              # the row's argmax
     n = tl.load(nd_ptr + b)
-    tgt = tl.load(target_ptr + b * s_tb + pos * s_tk, mask=pos <= K, other=0)
     d = tl.load(draft_ptr + b * s_db + pos * s_dk, mask=pos < K, other=0)
     ok = (d == tgt) & (pos < n) & (pos < K)
     a = tl.min(tl.where(ok, BLOCK_K, pos), 0)                     # first failing position: accepted
-    tl.store(acc_ptr + b, a.to(tl.int64))
-    tl.store(out_ptr + b * s_ob + pos * s_ok, tl.where(pos <= a, tgt, -1), mask=pos <= K)
+    tl.store(out_ptr + b * s_ob, a.to(tl.int64))
+    tl.store(out_ptr + b * s_ob + (pos + 1) * s_ok, tl.where(pos <= a, tgt, -1), mask=pos <= K)
+    tl.store(tgt_ptr + b * s_tb + pos * s_tk, tgt, mask=pos <= K)
 
 
-def greedy_verify_triton(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):
-    """target_ids [B, K+1], draft_ids [B, K], num_drafts [B] -> accepted [B], emitted [B, K+1]
-    (kernels.speculative.greedy_verify). Small inputs move to target_ids' device."""
-    B, K = draft_ids.shape
-    dev = target_ids.device
-    draft_ids, num_drafts = draft_ids.to(dev), num_drafts.to(dev)
-    accepted = torch.empty(B, dtype=torch.long, device=dev)
-    emitted = torch.empty(B, K + 1, dtype=target_ids.dtype, device=dev)
-    if B:
-        _greedy_verify_kernel[(B,)](target_ids, draft_ids, num_drafts, accepted, emitted,
-                                    *target_ids.stride(), *draft_ids.stride(), *emitted.stride(), K,
-                                    BLOCK_K=triton.next_power_of_2(K + 1), num_warps=1)
-    return accepted, emitted
+def greedy_accept_triton(logits: torch.Tensor, rows: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor):
+    """logits [N, V], rows [B, K+1] (each verified position's logit row), draft_ids [B, K], num_drafts [B] ->
+    (accepted | emitted [B, K+2] int64, target [B, K+1]) as kernels.speculative.greedy_accept: two launches, each
+    row's chunk maxima over the GPU, then per request the argmax of its positions' rows and the longest prefix."""
+    (N, V), (B, K) = logits.shape, draft_ids.shape
+    dev, CHUNK = logits.device, 1024
+    C = triton.cdiv(V, CHUNK)
+    vals = torch.empty(N, C, dtype=torch.float32, device=dev)
+    idx = torch.empty(N, C, dtype=torch.long, device=dev)
+    out = torch.empty(B, K + 2, dtype=torch.long, device=dev)
+    target = torch.empty(B, K + 1, dtype=torch.long, device=dev)
+    if B and N:
+        assert logits.stride(1) == 1
+        _chunk_max_kernel[(N, C)](logits, vals, idx, logits.stride(0), V, C, CHUNK=CHUNK, num_warps=4)
+        _greedy_accept_kernel[(B,)](vals, idx, rows, draft_ids, num_drafts, out, target, *rows.stride(),
+                                    *draft_ids.stride(), *out.stride(), *target.stride(), K, C,
+                                    BLOCK_K=triton.next_power_of_2(K + 1), BLOCK_C=triton.next_power_of_2(C),
+                                    num_warps=1)
+    return out, target
 
 
 @triton.jit

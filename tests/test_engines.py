@@ -254,8 +254,9 @@ def test_target_warms_its_acceptance_kernels_for_every_draft_count(monkeypatch):
     target, draft = make_models()
     te, _ = engines(target, draft)
     seen = {"greedy": [], "sampled": []}
-    real_g, real_r = te_mod.greedy_verify, te_mod.rejection_sample
-    monkeypatch.setattr(te_mod, "greedy_verify", lambda t, d, n: seen["greedy"].append(d.shape[1]) or real_g(t, d, n))
+    real_g, real_r = te_mod.greedy_accept, te_mod.rejection_sample
+    monkeypatch.setattr(te_mod, "greedy_accept",
+                        lambda x, i, d, n: seen["greedy"].append(d.shape[1]) or real_g(x, i, d, n))
     monkeypatch.setattr(te_mod, "rejection_sample",
                         lambda p, q, d, n, u, e: seen["sampled"].append(d.shape[1]) or real_r(p, q, d, n, u, e))
     te.graphs_enabled(1)

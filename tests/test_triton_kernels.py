@@ -119,17 +119,25 @@ def test_reference_shapes_with_no_drafts():
     assert acc.tolist() == [0, 0] and out.tolist() == [[1], [2]]
 
 
-def test_greedy_verify_matches_reference(backend):
+def test_greedy_accept_matches_reference(backend):
+    """The argmax of each verified position's logit row (ties: the first index, as torch.argmax) and the longest
+    prefix of drafts equal to it, in two launches: equal to argmax + kernels.speculative.greedy_verify."""
     dev, launches = backend
     g = torch.Generator().manual_seed(0)
-    for trial in range(120 if dev == "cpu" else 400):
+    for trial in range(60 if dev == "cpu" else 400):
         B, K = int(torch.randint(1, 7, (1,), generator=g)), trial % 6                 # K = 0 .. 5
-        target = torch.randint(0, 3, (B, K + 1), generator=g)                           # few ids: long prefixes
-        drafts = torch.where(torch.rand(B, K, generator=g) < 0.8, target[:, :K], torch.randint(0, 3, (B, K), generator=g))
+        V = (3, 50, 1024, 2500, 4099)[trial % 5]                                         # one chunk and several
         k = ragged_drafts(g, B, K)
-        same(triton_speculative.greedy_verify_triton(target.to(dev), drafts.to(dev), k.to(dev)),
-             ref_spec.greedy_verify(target, drafts, k))
-    ran(launches, "_greedy_verify_kernel")
+        N = int((k + 1).sum())
+        logits = torch.randint(0, 4, (N, V), generator=g).float()                        # ties in every row
+        starts = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), k[:-1] + 1]), 0)
+        rows = torch.minimum(starts[:, None] + torch.arange(K + 1)[None, :], torch.tensor(N - 1))
+        target = logits.argmax(-1)[rows]
+        drafts = torch.where(torch.rand(B, K, generator=g) < 0.8, target[:, :K], torch.randint(0, V, (B, K), generator=g))
+        got = triton_speculative.greedy_accept_triton(logits.to(dev), rows.to(dev), drafts.to(dev), k.to(dev))
+        same(got, ref_spec.greedy_accept(logits, rows, drafts, k))
+        assert torch.equal(got[1].cpu(), target)
+    ran(launches, "_greedy_accept_kernel")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -215,15 +223,15 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     monkeypatch.setenv(dispatch.ENV, "triton")                                          # forced, interpreter
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     same(dispatch.rejection_sample(*args), ref_spec.rejection_sample(*args))
-    same(dispatch.greedy_verify(args[2], args[2][:, :1], args[3].clamp(max=1)),
-         ref_spec.greedy_verify(args[2], args[2][:, :1], args[3].clamp(max=1)))
-    assert launches["_rejection_sample_kernel"] == 1 and launches["_greedy_verify_kernel"] == 1
+    greedy = (args[0][:, 0], torch.arange(args[2].shape[0])[:, None], args[2][:, :0], args[3].clamp(max=0))
+    same(dispatch.greedy_accept(*greedy), ref_spec.greedy_accept(*greedy))
+    assert launches["_rejection_sample_kernel"] == 1 and launches["_greedy_accept_kernel"] == 1
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        dispatch.greedy_verify(args[2], args[2][:, :1], args[3])
+        dispatch.greedy_accept(*greedy)
     monkeypatch.setenv(dispatch.ENV, "fast")
     with pytest.raises(ValueError, match="TANDEM_KERNELS"):
-        dispatch.greedy_verify(args[2], args[2][:, :1], args[3])
+        dispatch.greedy_accept(*greedy)
 
 
 @pytest.mark.gpu
@@ -264,7 +272,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import triton_rows as tr, triton_speculative as ts
 # kernel -> (pointer types other than *i64, constexpr values); strides i64, other scalars i32
-KERNELS = [(ts._greedy_verify_kernel, {}, dict(BLOCK_K=8)),
+KERNELS = [(ts._chunk_max_kernel, dict(x_ptr="*fp32", val_ptr="*fp32"), dict(CHUNK=1024)),
+           (ts._greedy_accept_kernel, dict(val_ptr="*fp32"), dict(BLOCK_K=8, BLOCK_C=128)),
            (ts._rejection_sample_kernel, dict.fromkeys(["p_ptr", "q_ptr", "u_ptr", "e_ptr"], "*fp32"),
             dict(BLOCK_K=4, BLOCK_V=1024, V_BLOCKS=127, HAS_Q=True)),
            (ts._rejection_sample_kernel, dict.fromkeys(["p_ptr", "q_ptr", "u_ptr", "e_ptr"], "*fp32"),
@@ -282,4 +291,4 @@ for fn, ptrs, consts in KERNELS:
 
 @pytest.mark.parametrize("arch", [90])                                      # H200: sm_90
 def test_kernels_compile_for_the_gpu_without_one(tmp_path, arch):
-    compile_for_gpu(COMPILE, arch, tmp_path, expected=4)
+    compile_for_gpu(COMPILE, arch, tmp_path, expected=5)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import flashinfer_sampling
-from kernels.dispatch import argmax_rows, chain_verifier, greedy_verify, rejection_sample, sampling_probs, take_spans
+from kernels.dispatch import chain_verifier, greedy_accept, rejection_sample, sampling_probs, take_spans
 from kernels.noise import choose, draw_keys, exp_noise, uniform
 from models.kv_cache import CacheFullError, PagedKVCache
 from infra.errors import ServiceError
@@ -89,7 +89,7 @@ class TargetEngine:
         dev, V = self.cache.device, self.vocab_size
         for k in range(WARM_DRAFTS + 1):         # inputs laid out as verify's (Triton specializes on strides)
             _, _, drafts, n, idx = _round_inputs([[0] * k], dev)
-            greedy_verify(torch.zeros_like(idx), drafts, n)
+            greedy_accept(torch.zeros(k + 1, V, device=dev), idx, drafts, n)
             if k:
                 p = torch.full((1, k + 1, V), 1.0 / V, device=dev)
                 rejection_sample(p, torch.zeros(1, k, V, device=dev), drafts, n, torch.ones(1, k, device=dev),
@@ -175,8 +175,7 @@ class TargetEngine:
         logits = self.model.compute_logits(hidden)                               # [N, V]
         synthetic = []                                                          # BENCHMARK ONLY: its inputs
         if all(r.sampling.greedy for r in reqs):
-            target = argmax_rows(logits)[idx]                                     # [B, K+1]
-            accepted, emitted = greedy_verify(target, drafts, k_dev)             # [B, K+1]
+            both, target = greedy_accept(logits, idx, drafts, k_dev)             # [B, K+2]: accepted | emitted
             if self.synthetic_acceptance is not None and K:                       # K = 0: nothing to accept
                 synthetic = [target, drafts]
         else:
@@ -194,9 +193,9 @@ class TargetEngine:
                 accepted, emitted = flashinfer_sampling.chain_verify(p, q, drafts)   # TANDEM_VERIFIER=flashinfer
             else:
                 accepted, emitted = rejection_sample(p, q, drafts, k_dev, *self._noise(reqs, K, dev))
-        both = torch.cat([accepted.view(B, 1).to(emitted.dtype), emitted, *(t.to(emitted.dtype) for t in synthetic)],
-                         1).cpu()                                               # the one device-to-host copy
-        accepted, emitted = both[:, 0].to(accepted.dtype), both[:, 1:K + 2]
+            both = torch.cat([accepted.view(B, 1).long(), emitted.long()], 1)      # [B, K+2]
+        both = (torch.cat([both, *synthetic], 1) if synthetic else both).cpu()    # the one device-to-host copy
+        accepted, emitted = both[:, 0], both[:, 1:K + 2]
         if synthetic:                                      # BENCHMARK ONLY: after the real forward and check
             accepted, emitted = synthetic_accept(both[:, K + 2:2 * K + 3], both[:, 2 * K + 3:], k,
                                                  self.synthetic_acceptance, [r.generator for r in reqs])
