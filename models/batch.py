@@ -4,10 +4,11 @@ device in one transfer.
 `lay_out` writes [input ids N | positions N | slots N | token_request N | context_lens B | query_start B+1 |
 block tables B x W] as int64 (W: the step's widest table), the int32 parts cast on the device. With a `Stage` (a
 CUDA graph bucket's static buffers, models/cuda_graphs.py) the parts are padded to the bucket and land in the
-graph's own input buffers: the padding rows sit at position 0, write the scratch slot and belong to the last
-padding request, whose context is 0; the tables go into the stage's [b, max blocks] buffer by one more copy (past
-a request's context its row holds what an earlier step left: never read). The batch's tensors are then views of
-those buffers, valid until the next step of that bucket.
+graph's own input buffers: the padding rows sit at position 0, write the scratch slot and belong to request b - 1
+(a padding request of context 0; with B == b the last real one, of whose keys they read key 0 only); the tables
+go into the stage's [b, max blocks] buffer by one more copy (past a request's context its row holds what an
+earlier step left: never read). The batch's tensors are then views of those buffers, valid until the next step
+of that bucket.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A graph is captured per bucket (B_pad requests, N_pad tokens): B_pad the next of
 N_pad the next power of two >= N; at start for every bucket up to a batch size (`enable(warmup_batch=)`,
 as the services do), else on a bucket's first use. Every tensor the forward reads is a static
 buffer of that shape (a models.batch.Stage, one per bucket, which the cache lays each step of that shape
-out into: one host-to-device copy and one cast, the input ids included); the padding points at
+out into: one host-to-device copy and two casts, the input ids included); the padding points at
   - a padding request (index >= B) with context length 0 (its attention output is zero), and
   - one scratch cache slot that no request owns (the padding tokens' K/V writes land there).
 Rows past N of the output are garbage and never returned.
