@@ -62,14 +62,37 @@ def distinctive_lines(text: str) -> set[str]:
     return {s for s in (line.strip() for line in text.splitlines()) if len(s) >= MIN_LINE}
 
 
-def distribution_files(name: str, version: str, strict: bool) -> list[tuple[str, Path]]:
-    """(archive path, file) of the .py files a distribution installed, sorted; its version must be the pin."""
+def drifted(packages) -> list[tuple[str, str, str]]:
+    """(distribution, installed version or "missing", pin) for every pin the running environment does not match."""
+    out = []
+    for name, version in packages:
+        try:
+            installed = md.version(name)
+        except md.PackageNotFoundError:
+            installed = "missing"
+        if installed != version:
+            out.append((name, installed, version))
+    return out
+
+
+def check_pins(packages, strict: bool) -> None:
+    """Every drifted pin at once, with the way back to the pinned corpus: the pinned wheels in a folder of their
+    own, first on the path (importlib.metadata reads the first it finds). A corpus from other versions differs."""
+    off = drifted(packages)
+    if not off:
+        return
+    msg = "tandem corpus: " + ", ".join(f"{n} {'is not installed' if i == 'missing' else i + ' is installed'}, the "
+                                        f"corpus pins {v}" for n, i, v in off)
+    if strict:
+        pins = " ".join(f"{n}=={v}" for n, _, v in off)
+        raise SystemExit(f"{msg}\n  the pinned corpus: pip install --no-deps --target DIR {pins}, then PYTHONPATH=DIR "
+                         "tandem corpus\n  (or --any-version to build from what is installed; the manifest records it)")
+    print("warning: " + msg, file=sys.stderr)
+
+
+def distribution_files(name: str) -> list[tuple[str, Path]]:
+    """(archive path, file) of the .py files a distribution installed, sorted."""
     dist = md.distribution(name)
-    if dist.version != version:
-        msg = f"tandem corpus: {name} {dist.version} is installed, the corpus pins {version}"
-        if strict:
-            raise SystemExit(msg + " (--any-version to build anyway; the manifest records what was used)")
-        print("warning: " + msg, file=sys.stderr)
     out = []
     for f in dist.files or []:
         p = Path(dist.locate_file(f))
@@ -90,9 +113,11 @@ def select(stdlib: Path, packages=PACKAGES, strict: bool = True) -> tuple[list[t
         for s in lines:
             line_files[s].add(i)
     n_stdlib = len(kept)
+    check_pins(packages, strict)
+    missing = {n for n, i, _ in drifted(packages) if i == "missing"}
     for name, version in packages:
         stats = Counter()
-        for arc, path in distribution_files(name, version, strict):
+        for arc, path in [] if name in missing else distribution_files(name):
             data = path.read_bytes()
             digest, lines = hashlib.sha256(data).digest(), distinctive_lines(data.decode(errors="ignore"))
             hits = Counter(i for s in lines for i in line_files.get(s, ()))
@@ -105,7 +130,8 @@ def select(stdlib: Path, packages=PACKAGES, strict: bool = True) -> tuple[list[t
                 seen.add(digest), kept.append((arc, data))
                 stats["files"] += 1
                 stats["bytes"] += len(data)
-        report.append(dict(distribution=name, version=md.version(name), pinned=version, **stats))
+        report.append(dict(distribution=name, version="missing" if name in missing else md.version(name),
+                           pinned=version, **stats))
     manifest = dict(python=sys.version.split()[0], stdlib_root=str(stdlib),
                     stdlib_files=n_stdlib, stdlib_bytes=sum(len(d) for _, d in kept[:n_stdlib]),
                     extra_files=len(kept) - n_stdlib, extra_bytes=sum(len(d) for _, d in kept[n_stdlib:]),

@@ -45,9 +45,17 @@ def test_copies_and_near_copies_are_dropped(stdlib):
 
 
 def test_pins_are_checked(stdlib):
-    with pytest.raises(SystemExit, match="pins"):
-        corpus.select(stdlib, [(DIST, "0.0.1")])
-    assert corpus.select(stdlib, [(DIST, "0.0.1")], strict=False)[1]["distributions"][0]["pinned"] == "0.0.1"
+    """Every drifted or missing pin is named at once, with the install line that brings the pinned versions back;
+    --any-version builds from what is installed and the manifest says so."""
+    pins = [(DIST, "0.0.1"), ("no-such-distribution-tandem", "1.0")]
+    with pytest.raises(SystemExit) as e:
+        corpus.select(stdlib, pins)
+    msg = str(e.value)
+    assert f"{DIST} {md.version(DIST)} is installed, the corpus pins 0.0.1" in msg
+    assert "no-such-distribution-tandem is not installed, the corpus pins 1.0" in msg
+    assert f"pip install --no-deps --target DIR {DIST}==0.0.1 no-such-distribution-tandem==1.0" in msg
+    report = corpus.select(stdlib, pins, strict=False)[1]["distributions"]
+    assert [(d["pinned"], d["version"]) for d in report] == [("0.0.1", md.version(DIST)), ("1.0", "missing")]
 
 
 def test_archive_is_deterministic(stdlib, tmp_path):
