@@ -21,7 +21,7 @@ from kernels.triton_norm import rope_pairs
 
 
 # positions and slots are read a value a program: no variant per alignment of them (a step's layout aligns every
-# field, models/kv_cache.aligned_parts; other callers need not)
+# field, models/batch.aligned_parts; other callers need not)
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _write_kernel(q_ptr, kv_ptr, w_ptr, pos_ptr, f_ptr, slot_ptr, qo_ptr, ckv_ptr, kpe_ptr,
                   s_qn, s_qh, s_kv, s_on, s_oh, s_c, s_k, H, R, HALF, eps, factor,

@@ -1,7 +1,8 @@
-"""Triton kernels of the acceptance math: greedy acceptance (argmax and verification) and lossless rejection sampling.
+"""Triton kernels of the acceptance math: greedy acceptance (argmax, verification) and lossless rejection sampling.
 
 Same signatures, semantics and outputs as kernels/speculative.py (the reference they are tested
-against): accepted [B] int64, emitted [B, K+1] padded with -1 after the accepted + 1 valid tokens.
+against): accepted [B] int64, emitted [B, K+1] padded with -1 after the accepted + 1 valid tokens (greedy
+acceptance returns them side by side, [B, K+2], after each row's argmax in chunks spread over the GPU).
 One program per request. The K draft positions are tested as one vector (K is small): the accepted
 length is the first position that fails, found with a min-reduction (position K always fails, so
 accepted <= K). Rejection sampling then runs the exponential race argmax(w / E) over V in blocks,

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from infra.errors import KV_CACHE_FULL
-from models.batch import AttentionBatch, Stage, aligned_parts, lay_out  # noqa: F401 (re-exported)
+from models.batch import AttentionBatch, lay_out  # AttentionBatch re-exported: the layers import it from here
 from models.prefix_cache import BlockPool, PoolExhausted
 
 INDEX_SCORINGS = ("exact", "deployed")      # kernels/dsa.py: fp32 scores / Hadamard + fp8 keys

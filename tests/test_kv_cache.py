@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import prefill_then_decode, tiny_model, tokens
-from models.kv_cache import CacheFullError, PagedKVCache, UnknownRequestError, Stage
+from models.batch import Stage
+from models.kv_cache import CacheFullError, PagedKVCache, UnknownRequestError
 from models.runner import forward_tokens, new_cache
 
 BLOCK = 16

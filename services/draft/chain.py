@@ -126,7 +126,7 @@ class DraftChain:
 
     def _fill(self, st: dict, ids, hidden, ks, starts, bp: int, k_max: int) -> None:
         # host layout of steps 1 .. k_max - 1, one transfer: [pos S*bp | slots S*bp | ctx S*bp | tables bp*MB], in
-        # Python lists (~15 small CPU tensor ops cost more on the round's critical path: as PagedKVCache._layout)
+        # Python lists (~15 small CPU tensor ops cost more on the round's critical path: as models/batch.lay_out)
         bs, S, B, MB = self.cache.block_size, st["pos"].shape[0], len(ids), self.max_blocks
         tables = [self.cache._tables[r] for r in ids]
         pos, slots, ctx = [], [], []
