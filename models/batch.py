@@ -166,12 +166,13 @@ def lay_out(request_ids: list[str], tables: list[list[int]], starts: list[int], 
     at.append(len(host))
     host_tables = host[at[6]:at[6] + B * w].view(B, w)
     if stage is None:
-        packed = host.to(device)
+        packed = host.to(device, non_blocking=True)       # staged at once from pageable memory: no wait for the
+                                                          # stream's queued work (a blocking copy syncs it)
         small = packed[at[3]:].to(torch.int32)
         dev_tables = small[at[6] - at[3]:at[6] - at[3] + B * w].view(B, w)
     else:                                             # into the graph's buffers: one transfer, two casts
         packed, small = stage.packed, stage.small
-        packed[:at[7]].copy_(host)
+        packed[:at[7]].copy_(host, non_blocking=True)
         small.copy_(packed[at[3]:at[6]])
         dev_tables = stage.tables[:B, :w]
         dev_tables.copy_(packed[at[6]:at[6] + B * w].view(B, w))

@@ -143,7 +143,7 @@ class DraftChain:
         for b, t in enumerate(tables):
             flat[at + b * MB:at + b * MB + len(t)] = array("q", t)
         host = torch.frombuffer(flat, dtype=torch.long)
-        packed = host.to(self.cache.device)
+        packed = host.to(self.cache.device, non_blocking=True)      # behind step 0 on the stream, not waiting on it
         n = S * bp
         st["pos"].copy_(packed[:n].view(S, bp))
         st["slots"].copy_(packed[n:2 * n].view(S, bp))

@@ -14,6 +14,7 @@ gateway re-syncs it with rows of every position (gateway/resync.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -121,8 +122,8 @@ class DraftEngine:
                 for b in active:
                     self.committed[ids[b]] = self.cache.length(ids[b])
                     self.cache.seal(ids[b], self.tokens[ids[b]], self.committed[ids[b]])
-                ends = torch.tensor([len(toks[b]) for b in active]).cumsum(0) - 1
-                last = dict(zip(active, hidden[ends.to(hidden.device)]))       # b -> MTP hidden [D]
+                ends = torch.tensor(list(accumulate(len(toks[b]) for b in active))) - 1   # not waiting on step 0:
+                last = dict(zip(active, hidden[ends.to(hidden.device, non_blocking=True)]))   # b -> MTP hidden [D]
                 live = [b for b in active if k[b] > 0]
                 if not (live and self._chain(live, last, ids, k, drafts, probs)):
                     self._loop(live, last, ids, k, drafts, probs)
