@@ -70,28 +70,64 @@ def plan(s: Scheduler) -> list[tuple[GenRequest, int]]:
     return out
 
 
+def request(s: Scheduler, items: list[tuple[GenRequest, int]]) -> target_pb2.PrefillRequest:
+    """The Prefill of `items` (from plan): alone, or riding the round's Verify (VerifyRequest.prefill)."""
+    rows = any(s._speculating and (r.prefilled == 0 or r.draft.to_draft) for r, _ in items)
+    return target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
+        request_id=r.id, prompt_token_ids=r.context_ids, sampling=r.sampling, logprobs=r.logprobs,
+        prompt_logprobs=r.prompt_logprobs, max_chunk_tokens=n) for r, n in items],
+        return_hidden_rows=rows, transport=s.transport)
+
+
 async def prefill(s: Scheduler, items: list[tuple[GenRequest, int]]) -> None:
     """One Prefill over `items` (from plan), then the chunk Propose of those still prefilling; the
     finished prompts join s.running with their first token."""
     reqs = [r for r, _ in items]
-    rows = any(s._speculating and (r.prefilled == 0 or r.draft.to_draft) for r in reqs)
-    req = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
-        request_id=r.id, prompt_token_ids=r.context_ids, sampling=r.sampling, logprobs=r.logprobs,
-        prompt_logprobs=r.prompt_logprobs, max_chunk_tokens=n) for r, n in items],
-        return_hidden_rows=rows, transport=s.transport)
+    req = request(s, items)
     t0 = time.perf_counter()
     s.feed = []
     try:
         with tracing.phase("prefill", [r.span for r in reqs], requests=len(reqs)):
             resp = await s.target.Prefill(req, timeout=call_budget(reqs, s.timeout)[0])
     except grpc.aio.AioRpcError as e:
-        failed = preemption.prefill_refused(s, reqs) if preemption.cache_full(e) else reqs
-        if failed:
-            s._target_failed(failed, e, "Prefill")
+        refused(s, reqs, e)
         return
+    s.obs.phase("prefill", time.perf_counter() - t0)
+    answered(s, reqs, resp)
+
+
+def refused(s: Scheduler, reqs: list[GenRequest], e: grpc.aio.AioRpcError) -> None:
+    """The target refused the Prefill of `reqs` (alone or riding a Verify): no room waits, else they fail."""
+    failed = preemption.prefill_refused(s, reqs) if preemption.cache_full(e) else reqs
+    if failed:
+        s._target_failed(failed, e, "Prefill")
+
+
+def unsent(s: Scheduler, items: list[tuple[GenRequest, int]]) -> None:
+    """The round they rode failed before the target ran them: new requests wait again at the head of the
+    queue (a prompt begun stays prefilling: the next step plans its chunk again)."""
+    for r, _ in reversed(items):
+        if r.prefilled == 0 and r in s.prefilling and not r.finished:
+            s.prefilling.remove(r)
+            s.waiting.insert(0, r)
+
+
+def rode(s: Scheduler, items: list[tuple[GenRequest, int]], vresp: target_pb2.VerifyResponse) -> None:
+    """The answer of a Prefill that rode the round's Verify (VerifyRequest.prefill), or why the target refused it."""
+    reqs, st = [r for r, _ in items], vresp.prefill_status
+    s.mixed_prefills += 1
+    if vresp.HasField("prefill") and not st.code:
+        answered(s, reqs, vresp.prefill)
+        return
+    code = next((c for c in grpc.StatusCode if c.value[0] == st.code and st.code), grpc.StatusCode.INTERNAL)
+    why = st.message if st.code else "the target answered the Verify without the Prefill it carried"
+    refused(s, reqs, grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=why))
+
+
+def answered(s: Scheduler, reqs: list[GenRequest], resp: target_pb2.PrefillResponse) -> None:
+    """Apply a Prefill's answer: each request's chunk to its draft state, finished prompts to s.running."""
     if any(r.prefilled == 0 for r in reqs):
         preemption.prefill_fitted(s)
-    s.obs.phase("prefill", time.perf_counter() - t0)
     rows = resp.hidden_rows
     for i, r in enumerate(reqs):
         context = r.context_ids

@@ -145,6 +145,25 @@ async def after_verify(s: Scheduler, plan: AheadPlan | None, vresp, batch: list[
     return await send(s, spec, []) if spec else None
 
 
+async def join(s: Scheduler, reqs: list[GenRequest]) -> Proposal | None:
+    """After a Prefill that rode the round's Verify (gateway/chunking.py): its row set goes to the draft in ONE
+    Propose, sent now: the prompts prefilled to their end that speculate (their first drafts, collected by the next
+    round: `collect_joined`) and the chunks or prompt-only feeds (no drafts). A row set is taken once, so they cannot
+    wait for two different calls."""
+    new = [r for r in reqs if r in s.running and r.draft.speculate and not r.cancelled]
+    feed, s.feed = [r for r in s.feed if r.draft.to_draft and not r.finished], []
+    if not new and not feed:
+        return None
+    s.policy.joining(new)
+    return await send(s, new, feed)
+
+
+async def collect_joined(s: Scheduler, batch: list[GenRequest], split: dict[str, float]) -> dict | None:
+    """The drafts of the Propose `join` sent after the last round ({} when there is none), as `collect`."""
+    p, s.joined = s.joined, None
+    return {} if p is None else await collect(s, p, batch, split)
+
+
 def _answered(s: Scheduler, p: Proposal) -> None:
     """The call is over (answered, failed or cancelled): release what finished while it ran."""
     s.proposing.remove(p)

@@ -2,8 +2,11 @@
 
 While no prefill chunk or re-sync waits for the draft first, rounds overlap: the next round's Propose goes out
 as soon as a Verify answers, before that round's commit (gateway/proposals.py). Requests join between rounds and
-leave as they finish; with a token budget a long prompt is prefilled in chunks, one Prefill per step before the
-round (gateway/chunking.py). Tokens are committed only from the target's answers. A draft that fails (other than
+leave as they finish; with a token budget a long prompt is prefilled in chunks, one Prefill per step (gateway/
+chunking.py). While requests run, a step's Prefill rides its round's Verify (VerifyRequest.prefill: one forward, so
+new prompts do not cost the running batch another read of every weight); its requests join the next round, their
+first drafts asked as soon as the Verify answers (proposals.join). Tokens are committed only from the target's
+answers (gateway/ending.py). A draft that fails (other than
 a contract error) costs speed, not tokens: its requests continue with zero drafts, speculation is degraded until
 the draft answers again, and their draft cache is re-synced before it proposes for them again
 (gateway/availability.py, gateway/resync.py). A contract error or a target failure ends every request of that
@@ -25,16 +28,17 @@ import grpc
 from gateway import chunking, preemption, proposals
 from gateway.adaptive import FixedPolicy
 from gateway.availability import Availability, InFlight
+from gateway.ending import Ending
 from gateway.request import Event, GenRequest, Observer, SpecStats, call_budget  # noqa: F401 (re-exported)
 from gateway.resync import resync
-from gateway.stubs import DraftStub, TargetStub, client_status
+from gateway.stubs import DraftStub, TargetStub
 from infra import tracing
-from tandem.v1 import common_pb2, rows_pb2, target_pb2
+from tandem.v1 import rows_pb2, target_pb2
 
 log = logging.getLogger("tandem.gateway")
 
 
-class Scheduler:
+class Scheduler(Ending):
     """The rounds of one gateway. It reaches the services only through `target` and `draft` (None: no
     speculation), objects with the methods of gateway/stubs.py: grpc.aio stubs when serving, or
     in-process objects with the same async methods. `run()` loops forever; `step()` is one pass:
@@ -43,7 +47,8 @@ class Scheduler:
     def __init__(self, target: TargetStub, draft: DraftStub | None, eos_ids: set[int], max_batch: int = 64,
                  rpc_timeout_s: float = 60.0, transport: int = rows_pb2.TRANSPORT_UNSPECIFIED,
                  observer: Observer | None = None, draft_timeout_s: float = 10.0, max_waiting: int = 0, policy=None,
-                 max_num_batched_tokens: int = 0, overlap: bool = True, propose_ahead: bool = True):
+                 max_num_batched_tokens: int = 0, overlap: bool = True, propose_ahead: bool = True,
+                 mixed_prefill: bool = True):
         self.target, self.draft, self.eos = target, draft, eos_ids
         self.obs, self.policy = observer or Observer(), policy or FixedPolicy()   # policy: gateway/adaptive.py
         self.max_batch, self.timeout, self.transport, self.draft_timeout = max_batch, rpc_timeout_s, transport, draft_timeout_s
@@ -61,11 +66,15 @@ class Scheduler:
         self.inflight = InFlight()             # the Prefill, re-sync or round awaited now (target_lost cuts it)
         self.overlap = overlap                 # send the next round's Propose before committing (proposals.py)
         self.propose_ahead = propose_ahead     # ... from the target, named in the Verify (proposals.plan_ahead)
+        self.mixed_prefill = mixed_prefill     # a step's Prefill rides its round's Verify (gateway/chunking.py)
+        self.riding: list[tuple[GenRequest, int]] = []     # that Prefill's items, until the Verify carries them
+        self.joined: proposals.Proposal | None = None      # its requests' first Propose, collected by the next round
         self.ahead: proposals.Proposal | None = None       # that Propose, collected by the next round
         self.planned = False                               # the last round planned the next: nobody to send
         self.proposing: list[proposals.Proposal] = []      # Proposes not yet answered
         self._round_end, self._off_round = 0.0, 0.0        # the last round's end; calls between rounds since
         self.preemptions = self.freed = self.ahead_rounds = 0   # requests preempted, ended; Proposes sent ahead
+        self.mixed_prefills = 0                                 # Prefills that rode a Verify
         self.admit_cap = self.admit_after = None           # admission's cap and hold (gateway/preemption.py)
 
     def new_id(self) -> str:
@@ -136,12 +145,16 @@ class Scheduler:
         if stale and self.avail.degraded is None and self.ahead is None and not self.proposing:
             await self._holding(stale, resync(self, stale))   # (its Release must not overtake a Propose)
         items = chunking.plan(self) if self.waiting or self.prefilling else []
-        if items:
+        self.riding = items if self.mixed_prefill and self.running else []    # one forward with the round's Verify
+        if items and not self.riding:
             await self._holding([r for r, _ in items], chunking.prefill(self, items))
         self._off_round += time.perf_counter() - t0
         if self.running:
             batch = list(self.running)
-            await self._holding(batch + self.feed, self._round(batch))
+            await self._holding(batch + self.feed + [r for r, _ in self.riding], self._round(batch))
+        if self.riding:                           # the round ended before its Verify: the prompts go alone
+            items, self.riding = self.riding, []
+            await self._holding([r for r, _ in items], chunking.prefill(self, items))
         if self.feed:                             # the round made no Propose: the chunks go alone
             feed, self.feed = self.feed, []
             t0 = time.perf_counter()
@@ -172,17 +185,23 @@ class Scheduler:
             ahead = None
         round_t0 = time.perf_counter() if ahead is None else self._round_end + self._off_round
         drafts, planned, self.planned = {}, self.planned, False
+        joined = self.joined.ids if self.joined is not None else set()     # proposed for already (mixed prefill)
         if ahead is None:           # the policy's own time is the gateway's part of the round
             # who goes to the draft, each with its k (GenRequest.round_k); planned at the end of the last
             # round already, with nobody to send, unless a request became synced since (prefilled, re-synced)
-            spec = [] if planned and not any(r.draft.speculate for r in batch) else self.policy.plan(batch)
+            live = [r for r in batch if r.id not in joined]
+            spec = [] if planned and not any(r.draft.speculate for r in live) else self.policy.plan(live)
         else:
             drafts = await proposals.collect(self, ahead, batch, split)
             if drafts is None:
                 return
             # requests prefilled since it was sent: their first Propose (the prompt), at the k the policy gives
-            spec = [r for r in batch if r.draft.speculate and r.id not in ahead.ids]
+            spec = [r for r in batch if r.draft.speculate and r.id not in ahead.ids and r.id not in joined]
             self.policy.joining(spec)
+        more = await proposals.collect_joined(self, batch, split)
+        if more is None:
+            return
+        drafts.update(more)
         if spec:
             feed, self.feed = [r for r in self.feed if r.draft.to_draft and not r.finished], []
             more = await proposals.collect(self, await proposals.send(self, spec, feed), batch, split)
@@ -192,11 +211,16 @@ class Scheduler:
         vreq = target_pb2.VerifyRequest(items=[proposals.verify_item(r, drafts.get(r.id)) for r in batch],
                                         return_hidden_rows=any(r.draft.speculate for r in batch), transport=self.transport)
         plan = proposals.plan_ahead(self, batch, drafts, vreq) if self._overlaps(batch) else None
+        riding, self.riding = self.riding, []
+        if riding:
+            vreq.prefill.CopyFrom(chunking.request(self, riding))
+        called = batch + [r for r, _ in riding]
         t0 = time.perf_counter()
         try:
-            with tracing.phase("verify", [r.span for r in batch], requests=len(batch)):
-                vresp = await self.target.Verify(vreq, timeout=call_budget(batch, self.timeout)[0])
+            with tracing.phase("verify", [r.span for r in called], requests=len(batch)):
+                vresp = await self.target.Verify(vreq, timeout=call_budget(called, self.timeout)[0])
         except grpc.aio.AioRpcError as e:
+            chunking.unsent(self, riding)
             if not (preemption.cache_full(e) and preemption.preempt(self, batch)):
                 self._target_failed(batch, e, "Verify")
             return
@@ -218,17 +242,15 @@ class Scheduler:
             self.planned = self.ahead is None      # nobody to send: the next round needs no plan of its own
         if overlap:
             self._commit_all(batch, vresp.results)
+        if riding:                                # its new requests join the next round, their drafts asked now
+            chunking.rode(self, riding, vresp)
+            self.joined = await proposals.join(self, [r for r, _ in riding])
 
     def _overlaps(self, batch: list[GenRequest]) -> bool:
         """Whether the next round's Propose goes out before this round commits: while the draft speculates
         and no prefill chunk or re-sync waits for it first. New requests are prefilled while that Propose
         runs; their first Propose (the prompt) follows in the round that collects it."""
         return self.overlap and self._speculating and not self.feed and not any(r.draft.stale for r in batch)
-
-    def _commit_all(self, batch: list[GenRequest], results) -> None:
-        for r, res in zip(batch, results):
-            r.uncommitted = 0
-            self._commit(r, list(res.emitted_token_ids), list(res.logprobs))
 
     def _close_round(self, batch: list[GenRequest], split: dict[str, float], round_t0: float) -> None:
         """The round's split (with rounds overlapped a round runs from the last one's end, less the Prefill
@@ -244,56 +266,3 @@ class Scheduler:
     def _speculating(self) -> bool:
         return self.draft is not None and self.avail.degraded is None
 
-    def _target_failed(self, reqs: list[GenRequest], e: grpc.aio.AioRpcError, call: str) -> None:
-        """A Prefill or Verify failed: its requests end with the status (none is half-advanced: the
-        gateway commits only what a call returned). UNAVAILABLE: the target is gone; refuse new requests."""
-        if client_status(e) == grpc.StatusCode.UNAVAILABLE:
-            self.target_lost(f"{call} failed: {e.details()}")
-        for r in reqs:
-            self.fail(r, client_status(e), f"target {call} failed: {e.details()}")
-
-    def _commit(self, r: GenRequest, tokens: list[int], logprobs: list | None = None) -> None:
-        """Commit the target's tokens in order up to the first that ends the request (EOS, one that
-        completes a stop string, max_tokens): nothing after it is returned, so the completion
-        (tokens, usage) does not depend on how many drafts a round accepted."""
-        if r.finished:
-            return
-        new, text, finish = r.take(tokens, logprobs, self.eos)
-        now = time.monotonic()
-        self.obs.tokens(r, len(new), now)
-        r.first_token_time = r.first_token_time or now
-        r.last_token_time = now
-        r.events.put_nowait(Event(new, text, finish, logprobs=list(logprobs or [])[:len(new)]))
-        if finish:
-            self._finish(r, finish)
-
-    def _finish(self, r: GenRequest, reason: str | None) -> None:
-        r.finished = True
-        self.obs.finished(r, reason, time.monotonic())
-        if r in self.running:
-            self.running.remove(r)
-        if r in self.prefilling:
-            self.prefilling.remove(r)
-        self.freed += 1
-        self.release(r)
-
-    def release(self, r: GenRequest) -> None:
-        """Free r's state in both services (on the draft once a Propose that names it has answered)."""
-        asyncio.ensure_future(self._release(self.target, [r.id]))
-        held = proposals.holds(self, r.id)
-        if held is not None:                  # named by a Propose not yet answered: released after it
-            held.deferred.append(r.id)
-        elif self.draft is not None:
-            asyncio.ensure_future(self._release(self.draft, [r.id]))
-
-    def fail(self, r: GenRequest, code: grpc.StatusCode, message: str) -> None:
-        """End r with an error event (its stream raises it) and free its state in both services."""
-        if not r.finished:
-            r.events.put_nowait(Event([], "", error=(code, message)))
-            self._finish(r, None)
-
-    async def _release(self, stub: TargetStub | DraftStub, ids: list[str]) -> None:
-        try:
-            await stub.Release(common_pb2.ReleaseRequest(request_ids=ids), timeout=10)
-        except grpc.aio.AioRpcError as e:
-            log.warning("Release of %s failed: %s", ids, e.code().name)

@@ -104,11 +104,12 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
 
 
 VARIANTS = {"": [], "serial": ["--no-overlap-rounds"], "no-ahead": ["--no-propose-ahead"],
-            "no-busy-poll": ["--no-busy-poll"]}
+            "no-busy-poll": ["--no-busy-poll"], "no-mixed": ["--no-mixed-prefill"]}
 
 
 def mode_args(mode: str) -> list[str]:
-    """The gateway flags of a --speculation mode: fixed | adaptive, optionally /serial, /no-ahead or /no-busy-poll."""
+    """The gateway flags of a --speculation mode: fixed | adaptive, optionally /serial, /no-ahead, /no-busy-poll or
+    /no-mixed."""
     base, _, variant = mode.partition("/")
     if base not in ("fixed", "adaptive") or variant not in VARIANTS:
         raise SystemExit(f"--speculation: fixed or adaptive, each optionally /{' or /'.join(v for v in VARIANTS if v)}; "
@@ -133,7 +134,8 @@ def parse(argv):
     p.add_argument("--speculation", default="fixed", help="fixed (the --ks grid), adaptive (k <= the largest of "
                    "--ks chosen per request and round), or fixed,adaptive: both, a gateway each on one target and "
                    "draft; a mode ending in /serial runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial), one "
-                   "ending in /no-ahead with --no-propose-ahead, /no-busy-poll with --no-busy-poll")
+                   "ending in /no-ahead with --no-propose-ahead, /no-busy-poll with --no-busy-poll, /no-mixed with "
+                   "--no-mixed-prefill")
     p.add_argument("--workload", default="greedy", choices=["greedy", "mixed"], help="mixed: every other request "
                    "at temperature 1 (the synthetic acceptance applies to greedy ones only)")
     p.add_argument("--batches", default="1,8,32")

@@ -50,6 +50,8 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--no-propose-ahead", dest="propose_ahead", action="store_false", help="gateway: send each "
                    "round's Propose itself (default: the target sends it to the draft from the Verify before, where "
                    "the services' local lanes reach each other: gateway/proposals.py)")
+    p.add_argument("--no-mixed-prefill", dest="mixed_prefill", action="store_false", help="gateway: prefill new "
+                   "prompts in a call of their own (default: in the round's Verify forward: gateway/chunking.py)")
     p.add_argument("--service-calls", default="local", choices=("local", "stream", "unary"), help="gateway: each "
                    "round's Verify and Propose on the services' local lanes (Unix sockets; else as stream), on one "
                    "persistent gRPC stream per service, or as unary calls")
@@ -204,7 +206,8 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                   "--max-waiting", str(a.max_waiting), "--service-calls", a.service_calls]
                                  + ([] if a.busy_poll else ["--no-busy-poll"])
                                  + ([] if a.overlap_rounds else ["--no-overlap-rounds"])
-                                 + ([] if a.propose_ahead else ["--no-propose-ahead"]) + tls,
+                                 + ([] if a.propose_ahead else ["--no-propose-ahead"])
+                                 + ([] if a.mixed_prefill else ["--no-mixed-prefill"]) + tls,
                  f"{a.host}:{a.grpc_port}"))
     return cmds
 

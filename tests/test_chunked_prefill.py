@@ -79,7 +79,8 @@ async def drain(r):
             return toks, e.error
 
 
-def cluster(models, budget, fail_t=None, fail_d=None, before=None, prefix=False, code=grpc.StatusCode.UNAVAILABLE):
+def cluster(models, budget, fail_t=None, fail_d=None, before=None, prefix=False, code=grpc.StatusCode.UNAVAILABLE,
+            mixed=True):
     te, de = engines(*models, blocks=96)
     if prefix:
         te.cache.enable_prefix_cache("target", 0)
@@ -87,8 +88,22 @@ def cluster(models, budget, fail_t=None, fail_d=None, before=None, prefix=False,
     t, d = servicer_stubs(te, de)
     log = []
     s = Scheduler(Recorded(t, "target", log, fail_t, before=before), Recorded(d, "draft", log, fail_d, code), set(),
-                  max_batch=8, transport=rows_pb2.TRANSPORT_BRIDGE, observer=Tokens(log), max_num_batched_tokens=budget)
+                  max_batch=8, transport=rows_pb2.TRANSPORT_BRIDGE, observer=Tokens(log), max_num_batched_tokens=budget,
+                  mixed_prefill=mixed)
     return te, de, s, log
+
+
+def prefill_of(method, req):
+    """The Prefill a recorded call carries: the call's own, one riding a Verify (VerifyRequest.prefill), or None."""
+    if method == "Prefill":
+        return req
+    return req.prefill if method == "Verify" and req.HasField("prefill") else None
+
+
+def prefills_of(log, rid) -> list[tuple[int, object]]:
+    """(log index, PrefillRequest) of every prefill that names request `rid`, alone or riding a Verify."""
+    return [(i, p) for i, (_, m, req) in enumerate(log) if (p := prefill_of(m, req)) is not None
+            and any(it.request_id == rid for it in p.items)]
 
 
 async def settle(s, te, de):
@@ -100,9 +115,9 @@ async def settle(s, te, de):
     assert te.cache.num_free_blocks == te.cache.num_blocks and de.cache.num_free_blocks == de.cache.num_blocks
 
 
-def long_prompt_while_streaming(models, budget, k=2, prefix=False):
+def long_prompt_while_streaming(models, budget, k=2, prefix=False, mixed=True):
     """Three streams run; a 100-token prompt arrives -> (tokens per request, log, the long request's id)."""
-    te, de, s, log = cluster(models, budget, prefix=prefix)
+    te, de, s, log = cluster(models, budget, prefix=prefix, mixed=mixed)
 
     async def main():
         loop = asyncio.ensure_future(s.run())
@@ -120,14 +135,15 @@ def long_prompt_while_streaming(models, budget, k=2, prefix=False):
     return out, log, short, long
 
 
-@pytest.mark.parametrize("k", [0, 3])
-def test_streams_get_tokens_between_the_chunks_of_a_long_prompt(models, k):
-    out, log, short, long = long_prompt_while_streaming(models, 16, k, prefix=k > 0)
-    prefills = [i for i, (who, m, req) in enumerate(log) if m == "Prefill" and any(
-        it.request_id == long.id for it in req.items)]
+@pytest.mark.parametrize("k,mixed", [(0, True), (3, True), (3, False)])
+def test_streams_get_tokens_between_the_chunks_of_a_long_prompt(models, k, mixed):
+    """mixed: each chunk rides a round's Verify (one forward); else a Prefill call of its own before the round."""
+    out, log, short, long = long_prompt_while_streaming(models, 16, k, prefix=k > 0, mixed=mixed)
+    prefills = [i for i, _ in prefills_of(log, long.id)]
     assert len(prefills) == 7                                    # 100 positions, 16 a step
-    for i in prefills:
-        assert sum(it.max_chunk_tokens for it in log[i][2].items) <= 16
+    assert all(log[i][1] == ("Verify" if mixed else "Prefill") for i in prefills)   # streams were running
+    for i, p in prefills_of(log, long.id):
+        assert sum(it.max_chunk_tokens for it in p.items) <= 16
     for a, b in zip(prefills, prefills[1:]):                     # each running stream moved between two chunks
         got = {e[1] for e in log[a:b] if e[0] == "tokens"}
         assert {r.id for r in short} <= got, (a, b)
@@ -142,31 +158,34 @@ def test_streams_get_tokens_between_the_chunks_of_a_long_prompt(models, k):
 
 def test_without_a_budget_the_prompt_is_prefilled_whole(models):
     out, log, short, long = long_prompt_while_streaming(models, 0)
-    prefills = [req for who, m, req in log if m == "Prefill" and any(it.request_id == long.id for it in req.items)]
+    prefills = [p for _, p in prefills_of(log, long.id)]
     assert len(prefills) == 1 and prefills[0].items[0].max_chunk_tokens == 0
     assert out[3] == greedy_generate(models[0], long.prompt_ids, len(out[3]))
 
 
-def test_partly_prefilled_requests_cancelled_or_expired_leave_nothing(models):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_partly_prefilled_requests_cancelled_or_expired_leave_nothing(models, mixed):
     """Three 40-token prompts (budget 8: one chunk a step, the oldest partial prompt first) while a stream
     runs: one cancelled while its third chunk is in the Prefill, one cancelled during a round after two
-    chunks, one past its deadline after its first chunk. The stream finishes; nothing is left held."""
+    chunks, one past its deadline after its first chunk. The stream finishes; nothing is left held. (mixed: the
+    chunks ride the rounds' Verifies, so the second is in that call when cancelled: its third chunk lands first.)"""
     box = {"seen": {}}
 
     def before(method, req):
         if "reqs" not in box:
             return
         s, (a, b, c) = box["s"], box["reqs"]
-        if method == "Prefill":
+        pre = prefill_of(method, req)
+        if pre is not None:
             for r in (a, c):
-                box["seen"][r.id] = box["seen"].get(r.id, 0) + any(it.request_id == r.id for it in req.items)
+                box["seen"][r.id] = box["seen"].get(r.id, 0) + any(it.request_id == r.id for it in pre.items)
             if box["seen"][a.id] == 3 and not a.cancelled:
                 s.cancel(a)                                       # in flight: finished when the call returns
             if box["seen"][c.id] == 1:
                 c.deadline = time.monotonic() - 1                 # expires before the next step
         if method == "Verify" and b.prefilled == 16 and not b.finished:
             s.cancel(b)                                           # in no call: released at once
-    te, de, s, log = cluster(models, 8, before=before)
+    te, de, s, log = cluster(models, 8, before=before, mixed=mixed)
     box["s"] = s
 
     async def main():
@@ -184,7 +203,7 @@ def test_partly_prefilled_requests_cancelled_or_expired_leave_nothing(models):
         return err, expired, reqs
     err, expired, reqs = asyncio.run(main())
     assert err is None and expired[0] == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert [r.prefilled for r in reqs] == [24, 16, 8] and all(r.finished for r in reqs)
+    assert [r.prefilled for r in reqs] == [24, 24 if mixed else 16, 8] and all(r.finished for r in reqs)
     released = {i for who, m, req in log if m == "Release" for i in req.request_ids}
     assert {r.id for r in reqs} <= released
 

@@ -13,6 +13,7 @@ from infra.errors import ServiceError
 from services.draft.engine import DraftEngine, ProposeItem
 from services.sampling import Sampling
 from services.target.engine import TargetEngine
+from services.target.verify_io import target_probs
 
 
 def make_models(vocab=512, head_std=0.02, seed=0):
@@ -158,7 +159,7 @@ def _exact_next(target, prefixes: list[list[int]], sampling: Sampling) -> torch.
     h = target.model(torch.tensor(prefixes, device=target.lm_head.weight.device), None, None)[:, -1]
     logits = target.compute_logits(h)
     n = len(prefixes)
-    return TargetEngine._probs(logits, [sampling] * n)
+    return target_probs(logits, [sampling] * n)
 
 
 @pytest.mark.parametrize("top_k, adaptive", [(0, False), (4, False), (0, True), (4, True)])
@@ -263,3 +264,4 @@ def test_target_warms_its_acceptance_kernels_for_every_draft_count(monkeypatch):
     assert seen == {"greedy": list(range(te_mod.WARM_DRAFTS + 1)), "sampled": list(range(1, te_mod.WARM_DRAFTS + 1))}
     te.prefill([("r", [1, 2, 3], Sampling())])
     assert te.verify([("r", [5, 6], None)]).accepted[0] in (0, 1, 2)
+

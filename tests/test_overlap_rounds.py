@@ -59,9 +59,9 @@ async def drive(s: Scheduler, reqs, steps: int = 100):
 
 
 def test_overlapped_rounds_propose_before_the_commit_and_change_no_output():
-    async def main(overlap: bool):
+    async def main(overlap: bool, mixed: bool = False):
         target, draft = FakeTarget(), Draft()
-        s = Scheduler(target, draft, {2}, overlap=overlap)
+        s = Scheduler(target, draft, {2}, overlap=overlap, mixed_prefill=mixed)
         reqs = [request(s, (3, 4, 5 + i), max_tokens=13 + i, k=2 + i % 2) for i in range(3)]
         late = request(s, (9, 9), max_tokens=11, k=3)
         draft.reqs = reqs + [late]
@@ -71,11 +71,19 @@ def test_overlapped_rounds_propose_before_the_commit_and_change_no_output():
         assert (s.ahead is not None) == overlap
         s.submit(late)                      # arrives while (overlapped) round 2's Propose is out: prefilled
         await s.step()                      # meanwhile, then its first Propose (the prompt) in round 2
+        if mixed:                           # its Prefill rode round 2's Verify: its first Propose is round 3's
+            verify = [req for name, req, _ in target.calls if name == "Verify"][-1]
+            assert [it.request_id for it in verify.prefill.items] == [late.id] and "Prefill" not in target.names()[1:]
+            assert late.stats.num_drafts == 0 and late.output_ids == [NEXT] and s.mixed_prefills == 1
+            await s.step()
         assert late.stats.num_drafts == 1 and late.output_ids[:1] == [NEXT]
         await drive(s, [])
         return reqs + [late], draft
     serial, d0 = run(main(False))
     overlapped, d1 = run(main(True))
+    mixed, _ = run(main(True, mixed=True))
+    for a, b in zip(overlapped, mixed):
+        assert a.output_ids == b.output_ids and b.finished
     for a, b in zip(serial, overlapped):
         assert a.output_ids == b.output_ids == [NEXT] * a.max_tokens and b.finished
         assert a.stats.num_drafts == b.stats.num_drafts and a.stats.num_accepted_tokens == b.stats.num_accepted_tokens

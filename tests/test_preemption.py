@@ -17,6 +17,7 @@ from cluster import Cluster, make_checkpoint, serve_module
 from gateway.scheduler import Scheduler
 from infra.errors import KV_CACHE_FULL
 from test_faults import metric
+from tandem.v1 import target_pb2
 from test_scheduler_faults import NEXT, FakeDraft, FakeTarget, events, request, rpc_error, run
 
 BLOCKS, MAX_LEN = 24, 160                    # 384 positions; each request below ends at 40 + 80 = 120 (8 blocks)
@@ -95,10 +96,23 @@ class SmallTarget(FakeTarget):
         return resp
 
     async def Verify(self, req, timeout=None):
+        """A Prefill riding it that does not fit is refused alone (VerifyResponse.prefill_status); the Verify runs."""
         self._room("Verify", {it.request_id: len(it.draft_token_ids) + 1 for it in req.items})
+        pre, refused = (req.prefill if req.HasField("prefill") else None), None
+        if pre is not None:
+            try:
+                self._room("Prefill", {it.request_id: len(it.prompt_token_ids) for it in pre.items})
+            except grpc.aio.AioRpcError as e:
+                refused = target_pb2.CallStatus(code=e.code().value[0], message=e.details())
+                req = target_pb2.VerifyRequest.FromString(req.SerializeToString())
+                req.ClearField("prefill")
         resp = await super().Verify(req, timeout)
         for it in req.items:
             self.held[it.request_id] += len(it.draft_token_ids) + 1
+        if refused is not None:
+            resp.prefill_status.CopyFrom(refused)
+        elif pre is not None:
+            self.held.update({it.request_id: len(it.prompt_token_ids) for it in pre.items})
         return resp
 
     async def Release(self, req, timeout=None):

@@ -50,17 +50,23 @@ class FakeTarget:
 
     async def Prefill(self, req, timeout=None):
         await self._call("Prefill", req, timeout)
+        return self.prefilled(req)
+
+    @staticmethod
+    def prefilled(req: target_pb2.PrefillRequest) -> target_pb2.PrefillResponse:
         ids = [it.request_id for it in req.items]
         return target_pb2.PrefillResponse(first_token_ids=[NEXT] * len(ids), hidden_rows=rows(
             ids, [len(it.prompt_token_ids) for it in req.items]) if req.return_hidden_rows else None)
 
     async def Verify(self, req, timeout=None):
+        """As the target's: a Prefill riding the Verify (VerifyRequest.prefill) is answered in VerifyResponse.prefill."""
         await self._call("Verify", req, timeout)
         acc = [next((i for i, t in enumerate(it.draft_token_ids) if t != NEXT), len(it.draft_token_ids))
                for it in req.items]
         return target_pb2.VerifyResponse(
             results=[target_pb2.VerifyResult(num_accepted=a, emitted_token_ids=[NEXT] * (a + 1)) for a in acc],
-            hidden_rows=rows([it.request_id for it in req.items], [a + 1 for a in acc]) if req.return_hidden_rows else None)
+            hidden_rows=rows([it.request_id for it in req.items], [a + 1 for a in acc]) if req.return_hidden_rows else None,
+            prefill=self.prefilled(req.prefill) if req.HasField("prefill") else None)
 
     async def RecomputeRows(self, req, timeout=None):
         await self._call("RecomputeRows", req, timeout)

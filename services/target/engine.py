@@ -6,33 +6,21 @@ the device, keyed, so a seeded request ignores its batch-mates). Tokens are comm
 """
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import NamedTuple
 
 import torch
 
 from kernels import flashinfer_sampling
-from kernels.dispatch import chain_verifier, greedy_accept, rejection_sample, sampling_probs, take_spans
-from kernels.noise import choose, draw_keys, exp_noise, uniform
+from kernels.dispatch import chain_verifier, greedy_accept, rejection_sample, take_spans
+from kernels.noise import choose, draw_keys
 from models.kv_cache import CacheFullError, PagedKVCache
 from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
 from services.sampling import Sampling, TopQ, noise_seed
 from services.target import prefill as plan
 from services.target.synthetic import synthetic_accept
-
-
-
-def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[float, list[int], list[float]]]:
-    """logits [M, V], tokens [M] -> per row (fp32 log-softmax of its token, top-n ids, their logprobs)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    own = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].cpu().tolist()
-    if top_n <= 0:
-        return [(v, [], []) for v in own]
-    top = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
-    return list(zip(own, top.indices.cpu().tolist(), top.values.cpu().tolist()))
+from services.target.verify_io import check_q, draws, round_inputs, target_probs, token_logprobs
 
 
 class Prefilled(NamedTuple):
@@ -41,6 +29,13 @@ class Prefilled(NamedTuple):
     logprobs: list | None = None      # per item {"prompt": [T-1 entries], "first": entry or None}, if asked
     cached: list[int] | None = None   # per item: positions before this call's (prefix cache / earlier chunks)
     computed: list[int] | None = None # per item: positions in the cache after it (< len(prompt): chunked, no first)
+
+
+class _PrefillStep(NamedTuple):
+    items: list                       # (request id, prompt, Sampling)
+    logprobs: list | None
+    spans: list[tuple[int, int]]      # per item the prompt positions computed now [start, end)
+    seqs: dict[str, list[int]]        # their tokens, by request id
 
 
 class Verified(NamedTuple):
@@ -64,19 +59,6 @@ class _Request:
 WARM_DRAFTS = 4                              # acceptance kernels compiled at start for 0 .. this many drafts
 
 
-def _round_inputs(drafts: list[list[int]], dev):
-    """A Verify's drafts -> host (k [B], starts: each request's first logit row) and device (drafts [B, K], k [B],
-    idx [B, K+1]: b's logit rows), one transfer before the step, from Python lists (host work on its critical path)."""
-    B, K = len(drafts), max(len(d) for d in drafts)
-    k = [len(d) for d in drafts]
-    starts = list(accumulate((n + 1 for n in k[:-1]), initial=0))
-    last = sum(k) + B - 1                                                        # the last logit row
-    flat = array("q", [t for d in drafts for t in (*d, *[0] * (K - len(d)))] + k)
-    flat.extend(min(s + j, last) for s in starts for j in range(K + 1))
-    p = torch.frombuffer(flat, dtype=torch.long).to(dev, non_blocking=True)
-    return torch.tensor(k), starts, p[:B * K].view(B, K), p[B * K:B * K + B], p[B * K + B:].view(B, K + 1)
-
-
 class TargetEngine:
     graph_row_inputs = 0                     # CUDA graphs: tokens only
     prefix_shift = 0                         # prefix caching: block j is decided by tokens[0 : (j+1)*bs]
@@ -88,7 +70,7 @@ class TargetEngine:
         use, so the first round at a new k (an adaptive policy's k = 1 probe) paid it inside a Verify."""
         dev, V = self.cache.device, self.vocab_size
         for k in range(WARM_DRAFTS + 1):         # inputs laid out as verify's (Triton specializes on strides)
-            _, _, drafts, n, idx = _round_inputs([[0] * k], dev)
+            _, _, drafts, n, idx = round_inputs([[0] * k], dev)
             greedy_accept(torch.zeros(k + 1, V, device=dev), idx, drafts, n)
             if k:
                 p = torch.full((1, k + 1, V), 1.0 / V, device=dev)
@@ -113,17 +95,33 @@ class TargetEngine:
                 budgets: list[int] | None = None):
         """-> Prefilled. logprobs: per item (top-n for the first token or None, whether to score the prompt);
         budgets: per item at most this many positions now (0: all; services/target/prefill.py)."""
+        step = self._prefill_begin(items, logprobs, budgets)
+        try:
+            hidden = self._forward(step.seqs)
+        except BaseException:
+            self._prefill_abort(items)
+            raise
+        return self._prefill_end(step, hidden)
+
+    def _prefill_begin(self, items, logprobs, budgets) -> _PrefillStep:
+        """Check the items and start their caches (prefix hits) -> the positions each computes now."""
         scored = [bool(w[1]) for w in logprobs] if logprobs else [False] * len(items)
         plan.check_items(self, items, scored)
-        ids = [rid for rid, _, _ in items]
         try:
             spans = plan.spans(self, items, scored, budgets or [0] * len(items))
-            hidden = self._forward({rid: p[s:e] for (rid, p, _), (s, e) in zip(items, spans)})
         except BaseException:
-            for rid in ids:
-                self.partial.pop(rid, None)
-                self.cache.release(rid)
+            self._prefill_abort(items)
             raise
+        return _PrefillStep(items, logprobs, spans, {rid: p[s:e] for (rid, p, _), (s, e) in zip(items, spans)})
+
+    def _prefill_abort(self, items) -> None:
+        for rid, _, _ in items:
+            self.partial.pop(rid, None)
+            self.cache.release(rid)
+
+    def _prefill_end(self, step: _PrefillStep, hidden: torch.Tensor):
+        """The computed rows [sum(end - start), D] -> Prefilled: first tokens of the prompts prefilled to the end."""
+        items, logprobs, spans = step.items, step.logprobs, step.spans
         done = [b for b, ((_, p, _), (_, e)) in enumerate(zip(items, spans)) if e == len(p)]
         ends = torch.tensor([e - s for s, e in spans]).cumsum(0) - 1
         gens = [items[b][2].generator() for b in done]
@@ -131,7 +129,7 @@ class TargetEngine:
         last_logits, sampled = None, []
         if done:                                                                  # prompts prefilled to the end
             last_logits = self.model.compute_logits(hidden[ends[done].to(hidden.device)])      # [B done, V]
-            probs = self._probs(last_logits, [items[b][2] for b in done])
+            probs = target_probs(last_logits, [items[b][2] for b in done])
             zero = torch.zeros(len(done), dtype=torch.long, device=probs.device)
             keys = draw_keys(torch.tensor(seeds, device=probs.device), zero)
             sampled = self.model.ps.decide(choose(probs, keys).cpu()).tolist()         # draw 0 of each request
@@ -151,6 +149,32 @@ class TargetEngine:
     def verify(self, items: list[tuple[str, list[int], torch.Tensor | None]], logprobs: list[int | None] | None = None):
         """items: (request id, draft tokens [k], draft probs: [k, V], TopQ [k, w] or None) -> Verified. logprobs:
         per item top-n or None."""
+        reqs, seqs = self._verify_begin(items)
+        return self._verify_end(items, logprobs, reqs, self._forward(seqs))
+
+    @torch.inference_mode()
+    def verify_and_prefill(self, items, logprobs, prefill_items, prefill_logprobs=None, budgets=None):
+        """A Verify with a Prefill riding it (VerifyRequest.prefill): both in ONE forward, the Verify's tokens first,
+        so new prompts cost the step their compute, not another read of every weight -> (Verified, Prefilled, or
+        the ServiceError that refused the Prefill: bad items, or no room in the cache; the Verify then runs alone)."""
+        reqs, vseqs = self._verify_begin(items)
+        try:
+            step = self._prefill_begin(prefill_items, prefill_logprobs, budgets)
+            batch = self._prepare({**vseqs, **step.seqs})
+        except ServiceError as e:
+            if e.code == "RESOURCE_EXHAUSTED":
+                self._prefill_abort(prefill_items)
+            return self.verify([(rid, d, q) for rid, d, q in items], logprobs), e
+        try:
+            hidden = self._run(batch)
+        except BaseException:
+            self._prefill_abort(prefill_items)
+            raise
+        nv = sum(len(s) for s in vseqs.values())
+        return self._verify_end(items, logprobs, reqs, hidden[:nv]), self._prefill_end(step, hidden[nv:])
+
+    def _verify_begin(self, items):
+        """Check a Verify's items -> (their requests, the tokens each computes: the pending one and the drafts)."""
         for rid, drafts, q in items:
             if rid not in self.requests:
                 raise ServiceError("FAILED_PRECONDITION", f"request {rid!r} is not running on the target "
@@ -163,15 +187,17 @@ class TargetEngine:
             if self.synthetic_acceptance is not None and not r.sampling.greedy:
                 raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: temperature {r.sampling.temperature}, but "
                                    "--synthetic-acceptance (a benchmark mode) serves greedy requests only")
-            _check_q(rid, q, len(drafts), self.vocab_size)
+            check_q(rid, q, len(drafts), self.vocab_size)
         if len({rid for rid, _, _ in items}) != len(items):
             raise ServiceError("INVALID_ARGUMENT", "request ids in one Verify must be unique")
         reqs = [self.requests[rid] for rid, _, _ in items]
-        seqs = {rid: [r.pending_token] + list(d) for (rid, d, _), r in zip(items, reqs)}
+        return reqs, {rid: [r.pending_token] + list(d) for (rid, d, _), r in zip(items, reqs)}
+
+    def _verify_end(self, items, logprobs, reqs, hidden: torch.Tensor):
+        """The Verify's rows [N, D], N = sum(k + 1) -> acceptance, the committed tokens and rows: Verified."""
         B, K = len(items), max(len(d) for _, d, _ in items)
         V, dev = self.vocab_size, self.cache.device        # acceptance runs where the logits are (Triton on CUDA)
-        hidden = self._forward(seqs)                                            # [N, D], N = sum(k + 1)
-        k, starts, drafts, k_dev, idx = _round_inputs([d for _, d, _ in items], dev)   # queued behind the step
+        k, starts, drafts, k_dev, idx = round_inputs([d for _, d, _ in items], dev)   # queued behind the step
         logits = self.model.compute_logits(hidden)                               # [N, V]
         synthetic = []                                                          # BENCHMARK ONLY: its inputs
         if all(r.sampling.greedy for r in reqs):
@@ -179,7 +205,7 @@ class TargetEngine:
             if self.synthetic_acceptance is not None and K:                       # K = 0: nothing to accept
                 synthetic = [target, drafts]
         else:
-            p = self._probs(logits, [r.sampling for (_, d, _), r in zip(items, reqs) for _ in range(len(d) + 1)])
+            p = target_probs(logits, [r.sampling for (_, d, _), r in zip(items, reqs) for _ in range(len(d) + 1)])
             p = p[idx] * (torch.arange(K + 1)[None, :] <= k[:, None]).to(dev)[..., None]   # [B, K+1, V]: rows <= k
             q = torch.zeros(B, K, V, device=dev)
             for b, (_, d, qb) in enumerate(items):
@@ -192,7 +218,7 @@ class TargetEngine:
             if chain_verifier(p, k, seeded=any(r.sampling.seed is not None for r in reqs)) == "flashinfer":
                 accepted, emitted = flashinfer_sampling.chain_verify(p, q, drafts)   # TANDEM_VERIFIER=flashinfer
             else:
-                accepted, emitted = rejection_sample(p, q, drafts, k_dev, *self._noise(reqs, K, dev))
+                accepted, emitted = rejection_sample(p, q, drafts, k_dev, *draws(reqs, K, self.vocab_size, dev))
             both = torch.cat([accepted.view(B, 1).long(), emitted.long()], 1)      # [B, K+2]
         both = (torch.cat([both, *synthetic], 1) if synthetic else both).cpu()    # the one device-to-host copy
         accepted, emitted = both[:, 0], both[:, 1:K + 2]
@@ -251,49 +277,14 @@ class TargetEngine:
         return n
 
     def _forward(self, seqs: dict[str, list[int]]) -> torch.Tensor:
+        return self._run(self._prepare(seqs))
+
+    def _prepare(self, seqs: dict[str, list[int]]):
+        """Extend each request's cache by its tokens and lay the step out (all or nothing: RESOURCE_EXHAUSTED)."""
         try:
-            batch = self.cache.prepare(list(seqs), [len(s) for s in seqs.values()],
-                                       [t for s in seqs.values() for t in s])
+            return self.cache.prepare(list(seqs), [len(s) for s in seqs.values()], [t for s in seqs.values() for t in s])
         except CacheFullError as e:
             raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
+
+    def _run(self, batch) -> torch.Tensor:
         return expect_rows(self.forward(batch.input_ids, batch, self.cache), batch.num_tokens, "the target model")
-
-    def _noise(self, reqs: list[_Request], K: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sampled Verify's draws, keyed on the device (kernels/noise.py): a request's depend on its own seed
-        and draw count only -> uniform [B, K], Exp(1) noise [B, V]. Greedy rows (one-hot p and q) get ones."""
-        B, V = len(reqs), self.vocab_size
-        sd = torch.tensor([[r.seed, r.draws, b] for b, r in enumerate(reqs) if not r.sampling.greedy])
-        sd = sd.to(dev, non_blocking=True)                                         # [S, 3]
-        u, e = torch.ones(B, K, device=dev), torch.ones(B, V, device=dev)
-        u[sd[:, 2]] = uniform(draw_keys(sd[:, 0], sd[:, 1]), K).float()
-        e[sd[:, 2]] = exp_noise(draw_keys(sd[:, 0], sd[:, 1] + 1), V)
-        for r in reqs:
-            r.draws += 2
-        return u, e
-
-    @staticmethod
-    def _probs(logits: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
-        """logits [M, V] -> target distributions [M, V], one Sampling per row."""
-        t = torch.tensor([s.temperature for s in samplings], device=logits.device)
-        tk = torch.tensor([s.top_k for s in samplings], device=logits.device)
-        tp = torch.tensor([s.top_p for s in samplings], device=logits.device)
-        return sampling_probs(logits, t, tk, tp, any(s.truncates for s in samplings))
-
-
-def _check_q(rid: str, q, k: int, V: int) -> None:
-    """A Verify item's draft distributions: k rows of finite non-negative probabilities over token ids < V."""
-    if q is None:
-        return
-    if isinstance(q, TopQ):
-        ok = (q.ids.shape == q.probs.shape and q.ids.shape[0] == k and q.ids.numel() > 0
-              and bool(((q.ids >= 0) & (q.ids < V)).all()))
-        if not ok:
-            raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: draft_top_ids must be {k} x w token ids "
-                                                   f"below the vocabulary size {V}, as many as draft_top_probs")
-        q, what = q.probs, "draft_top_probs"
-    else:
-        ok, what = q.shape == (k, V), "draft_probs"
-        if not ok:
-            raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: draft_probs must be {k} x {V}")
-    if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
-        raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: {what} must be finite non-negative floats")

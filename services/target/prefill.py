@@ -62,7 +62,7 @@ def spans(engine: TargetEngine, items: list, scored: list[bool], budgets: list[i
 def score(engine: TargetEngine, items: list, logprobs: list, hidden: torch.Tensor, spans_: list,
           last_logits: torch.Tensor, first: list[int]) -> list[dict]:
     """Per item {"prompt": [T - 1 entries] if scored, "first": the first token's entry or None}."""
-    from services.target.engine import token_logprobs
+    from services.target.verify_io import token_logprobs
     out, row, b_done = [], 0, 0
     for (_, prompt, _), (n, scored), (s, e) in zip(items, logprobs, spans_):
         entry = {"prompt": [], "first": None}

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 
+import grpc
 import numpy as np
 import torch
 
@@ -101,26 +102,33 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: {drafts} draft tokens, this target "
                                f"verifies at most {self.cfg.max_draft_tokens} per request (--max-draft-tokens)")
 
+    def _prefill_args(self, request: target_pb2.PrefillRequest) -> tuple:
+        """A Prefill's items, checked against the limits -> the engine's (items, logprobs or None, budgets)."""
+        for it in request.items:
+            self._limits(it)
+        items = [(it.request_id, list(it.prompt_token_ids), Sampling.from_pb(it.request_id, it.sampling))
+                 for it in request.items]
+        if not items:
+            raise ServiceError("INVALID_ARGUMENT", "items is empty")
+        want = [(it.logprobs if it.HasField("logprobs") else None, it.prompt_logprobs) for it in request.items]
+        return items, want if any(n is not None or p for n, p in want) else None, [it.max_chunk_tokens for it in request.items]
+
+    def _prefill_response(self, request: target_pb2.PrefillRequest, items: list, res) -> target_pb2.PrefillResponse:
+        rows = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
+                          [e - c for c, e in zip(res.cached, res.computed)], res.hidden)
+        resp = target_pb2.PrefillResponse(first_token_ids=res.first, hidden_rows=rows,
+                                          num_cached_tokens=res.cached, num_computed_tokens=res.computed)
+        for e in res.logprobs or []:
+            resp.logprobs.add(prompt=[logprob_pb(x) for x in e["prompt"]],
+                              first_token=logprob_pb(e["first"]) if e["first"] else None)
+        return resp
+
     def Prefill(self, request, context):
         def run():
-            for it in request.items:
-                self._limits(it)
-            items = [(it.request_id, list(it.prompt_token_ids), Sampling.from_pb(it.request_id, it.sampling))
-                     for it in request.items]
-            if not items:
-                raise ServiceError("INVALID_ARGUMENT", "items is empty")
-            want = [(it.logprobs if it.HasField("logprobs") else None, it.prompt_logprobs) for it in request.items]
+            items, want, budgets = self._prefill_args(request)
             with tracing.span("target.prefill", requests=len(items), tokens=sum(len(i[1]) for i in items)):
-                res = self.group.call(TargetEngine.prefill, items, want if any(n is not None or p for n, p in want)
-                                      else None, [it.max_chunk_tokens for it in request.items])
-            rows = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
-                              [e - c for c, e in zip(res.cached, res.computed)], res.hidden)
-            resp = target_pb2.PrefillResponse(first_token_ids=res.first, hidden_rows=rows,
-                                              num_cached_tokens=res.cached, num_computed_tokens=res.computed)
-            for e in res.logprobs or []:
-                resp.logprobs.add(prompt=[logprob_pb(x) for x in e["prompt"]],
-                                  first_token=logprob_pb(e["first"]) if e["first"] else None)
-            return resp
+                res = self.group.call(TargetEngine.prefill, items, want, budgets)
+            return self._prefill_response(request, items, res)
         return self._guard(context, run)
 
     def Verify(self, request, context):
@@ -135,13 +143,25 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             if request.HasField("ahead"):
                 ahead.check(request)
             want = [it.logprobs if it.HasField("logprobs") else None for it in request.items]
+            want = want if any(n is not None for n in want) else None
+            riding, pre, refused = request.HasField("prefill"), None, None
+            if riding:                                      # a bad prefill item refuses the prefill, not the round
+                try:
+                    pitems, pwant, budgets = self._prefill_args(request.prefill)
+                except ServiceError as e:
+                    riding, pre = False, e
             t0 = time.perf_counter()
-            with tracing.span("target.verify", requests=len(items),
-                              draft_tokens=sum(len(i[1]) for i in items)) as span:
-                res = self.group.call(TargetEngine.verify, items, want if any(n is not None for n in want) else None)
+            with tracing.span("target.verify", requests=len(items), draft_tokens=sum(len(i[1]) for i in items),
+                              prefill_requests=len(request.prefill.items)) as span:
+                if riding:
+                    res, pre = self.group.call(TargetEngine.verify_and_prefill, items, want, pitems, pwant, budgets)
+                else:
+                    res = self.group.call(TargetEngine.verify, items, want)
                 if span is not None:
                     span.set_attribute("accepted_tokens", sum(res.accepted))
             compute_s = time.perf_counter() - t0
+            if isinstance(pre, ServiceError):
+                pre, refused = None, target_pb2.CallStatus(code=grpc.StatusCode[pre.code].value[0], message=str(pre))
             desc = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
                               [a + 1 for a in res.accepted], res.rows)
             sent = request.HasField("ahead") and self.ahead.send(     # the next round's Propose, to the draft now
@@ -149,9 +169,10 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             results = [target_pb2.VerifyResult(num_accepted=a, emitted_token_ids=t,
                                                logprobs=[logprob_pb(x) for x in lp])
                        for a, t, lp in zip(res.accepted, res.emitted, res.logprobs or [[] for _ in items])]
-            return target_pb2.VerifyResponse(results=results, hidden_rows=desc, ahead_sent=sent,
-                                             timing=rows_pb2.CallTiming(compute_seconds=compute_s,
-                                                                        handler_seconds=time.perf_counter() - t0))
+            return target_pb2.VerifyResponse(
+                results=results, hidden_rows=desc, ahead_sent=sent, prefill_status=refused,
+                prefill=self._prefill_response(request.prefill, pitems, pre) if pre is not None else None,
+                timing=rows_pb2.CallTiming(compute_seconds=compute_s, handler_seconds=time.perf_counter() - t0))
         return self._guard(context, run)
 
     def VerifyStream(self, requests, context):
