@@ -77,14 +77,14 @@ def _group_kernel(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks, TOPK, SH
     group_body(ids_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks, TOPK, SHARED, NB, P, BLOCK_M, FILL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nk"])   # one variant for all call sizes (a new size class mid-serving compiled)
 def _count_kernel(ids_ptr, cnt_ptr, Nk, first, E, TOPK, SHARED, NB: tl.constexpr, BLOCK: tl.constexpr):
     # cnt[e] += pairs of this chunk routed to local expert e (bin E: not local)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.atomic_add(cnt_ptr + tl.arange(0, NB), tl.histogram(_expert_of(ids_ptr, i, Nk, first, E, TOPK, SHARED), NB))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nk", "max_blocks"])
 def _place_kernel(ids_ptr, cnt_ptr, fill_ptr, pair_ptr, blk_ptr, Nk, first, E, max_blocks, TOPK, SHARED,
                   NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     # expert e owns blocks [end_e - blocks_e, end_e); each pair takes the next free row of its expert

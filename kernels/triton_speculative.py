@@ -29,7 +29,9 @@ def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, s_xm, V, C, CHUNK: tl.constexpr):
     tl.store(idx_ptr + m * C + c, first.to(tl.int64))
 
 
-@triton.jit
+# the drafts, their counts and the logit rows are slices of one packed upload (services/target/verify_io.py), aligned
+# or not by the batch's size: not specialized on it, so a batch of a new size does not compile mid-serving
+@triton.jit(do_not_specialize_on_alignment=["row_ptr", "draft_ptr", "nd_ptr"])
 def _greedy_accept_kernel(val_ptr, idx_ptr, row_ptr, draft_ptr, nd_ptr, out_ptr, tgt_ptr,
                           s_rb, s_rk, s_db, s_dk, s_ob, s_ok, s_tb, s_tk, K, C,
                           BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -71,7 +73,7 @@ def greedy_accept_triton(logits: torch.Tensor, rows: torch.Tensor, draft_ids: to
     return out, target
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["draft_ptr", "nd_ptr"])     # as _greedy_accept_kernel's
 def _rejection_sample_kernel(p_ptr, q_ptr, draft_ptr, nd_ptr, u_ptr, e_ptr, acc_ptr, out_ptr,
                              s_pb, s_pk, s_pv, s_qb, s_qk, s_qv, s_db, s_dk, s_ub, s_uk, s_eb, s_ev,
                              s_ob, s_ok, K, V, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,

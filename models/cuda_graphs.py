@@ -111,6 +111,32 @@ class GraphedForward:
                     n += 1
         return n
 
+    def warm_eager(self, shapes, **kw) -> int:
+        """Run the forward eagerly once at each (tokens, requests) of `shapes` (steps past the graphs' buckets, over
+        scratch requests freed after), so that the kernels of their size classes (the fused MoE's block rows and
+        tiles, the attention's key splits) compile now and not in the first step of that class mid-serving, every
+        stream waiting 0.3-7 s on the H200 (BENCHMARKS.md, twenty-fourth session). -> the steps run (a shape the pool
+        cannot hold is left out)."""
+        c, bs, done = self.cache, self.cache.block_size, 0
+        for n, b in shapes:
+            b = max(b, -(-n // ((self.max_blocks - 1) * bs)))
+            lens = [n // b + (j < n % b) for j in range(b)]
+            if sum(-(-q // bs) for q in lens) > c.pool.available:
+                continue
+            ids = [f"\0warm{j}" for j in range(b)]
+            for r in ids:
+                c.allocate(r)
+            try:
+                batch = c.prepare(ids, lens, [0] * n)
+                rows = [torch.zeros(n, self.hidden_size, dtype=self.dtype, device=c.device) for _ in range(self.extra_rows)]
+                with torch.inference_mode():
+                    self.fn(batch.input_ids, *rows, batch, c, **kw)
+                done += 1
+            finally:
+                for r in ids:
+                    c.release(r)
+        return done
+
     def _capture(self, stage: Stage, kw: dict):
         # the graph reads the stage's buffers: all of the bucket's graphs (the draft's per-step ones) share them
         full = stage.batch()
@@ -134,6 +160,17 @@ class GraphedForward:
         return graph, out
 
 
+def eager_shapes(max_tokens: int) -> list[tuple[int, int]]:
+    """(tokens, requests) of the eager steps run at start: from just past the graphs' largest bucket to 8x it, 1.15x
+    apart (the fused MoE's size classes), over one request (long contexts: many key splits), three, or requests of
+    ~64 tokens (one split)."""
+    out, n = [], max_tokens + 8
+    while n <= 8 * max_tokens + 8:
+        out.append((n, (1, 3, max(1, n // 64))[len(out) % 3]))
+        n = int(n * 1.15) + 1
+    return out
+
+
 def enable(engine, extra_rows: int = 0, max_tokens: int = 512, warmup_batch: int = 0) -> None:
     """Route a target (extra_rows 0) or draft (1) engine's forward through CUDA graphs; with
     warmup_batch > 0 capture the buckets up to that batch now (the draft: for each of its MTP layers)."""
@@ -144,5 +181,6 @@ def enable(engine, extra_rows: int = 0, max_tokens: int = 512, warmup_batch: int
         t0 = time.perf_counter()
         steps = [{"step": i} for i in range(m.num_cache_layers)] if extra_rows else [{}]
         n = sum(graphed.warmup(warmup_batch, **kw) for kw in steps)
-        log.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
+        e = sum(graphed.warm_eager(eager_shapes(max_tokens), **kw) for kw in steps)
+        log.info("captured %d CUDA graphs and ran %d eager steps in %.1f s", n, e, time.perf_counter() - t0)
     engine.forward = graphed

@@ -265,3 +265,22 @@ def test_target_warms_its_acceptance_kernels_for_every_draft_count(monkeypatch):
     te.prefill([("r", [1, 2, 3], Sampling())])
     assert te.verify([("r", [5, 6], None)]).accepted[0] in (0, 1, 2)
 
+
+def test_eager_steps_past_the_graphs_are_run_at_start():
+    """GraphedForward.warm_eager: one eager forward per size past the graphs' buckets, over scratch requests that are
+    freed after (the pool as before, every other request untouched); a size the pool cannot hold is left out. (On
+    the H200 a first eager step of a new size class compiled the fused MoE's kernels mid-serving: 0.3-7 s.)"""
+    from models.cuda_graphs import GraphedForward
+    target, _ = make_models()
+    cache = new_cache(target, 96)
+    calls = []
+
+    def fn(tokens, batch, cache):
+        calls.append((len(batch.query_lens), batch.num_tokens))
+        return target(tokens, batch, cache)
+    g = GraphedForward(fn, cache, target.cfg.hidden_size, torch.float32, 2048, max_tokens=64)
+    cache.allocate("kept")
+    cache.extend("kept", 20)
+    free = cache.num_free_blocks
+    assert g.warm_eager([(72, 1), (204, 3), (5000, 1)]) == 2       # 5000 tokens: more blocks than the pool has
+    assert calls == [(1, 72), (3, 204)] and cache.num_free_blocks == free and cache.length("kept") == 20
