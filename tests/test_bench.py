@@ -120,8 +120,9 @@ def test_bench_speed_served_split_and_inprocess(tmp_path):
         assert r["tokens"] == 8 * r["batch"] and r["rounds"] > 0
         s = r["ms_per_round"]
         assert s["round"] > 0 and s["verify"] > s["target_compute"] > 0
-        # overlapped rounds: "propose" is the wait the commit did not hide, so it may be below draft compute
-        assert (s["propose"] > 0 and s["draft_compute"] > 0) == (r["k"] > 0)
+        # overlapped rounds: "propose" is the wait the commit did not hide, so it may be below draft compute. At
+        # K = 0 the draft only takes the prompts (its prefix cache), in the Propose a mixed prefill's round sends
+        assert s["propose"] > 0 and s["draft_compute"] > 0 if r["k"] > 0 else s["draft_compute"] < s["target_compute"]
         assert r["inprocess_tokens_per_s"] > 0
     assert all(r["mean_acceptance_length"] > 1.5 for r in rows if r["k"] == 2)      # synthetic, p = 0.9
     assert (tmp_path / "speed.png").stat().st_size > 0
