@@ -161,7 +161,18 @@ async def join(s: Scheduler, reqs: list[GenRequest]) -> Proposal | None:
 async def collect_joined(s: Scheduler, batch: list[GenRequest], split: dict[str, float]) -> dict | None:
     """The drafts of the Propose `join` sent after the last round ({} when there is none), as `collect`."""
     p, s.joined = s.joined, None
+    if isinstance(p, dict):                     # collected already (settle_joined)
+        return p
     return {} if p is None else await collect(s, p, batch, split)
+
+
+async def settle_joined(s: Scheduler) -> None:
+    """Before a Prefill's answer is applied outside a round (a Prefill of its own: nobody running, or the round
+    ended before its Verify), the Propose `join` sent is collected: the chunks it gave the draft count first (else a
+    request's next chunk would replace the pending one). Its drafts wait for the next round."""
+    if isinstance(s.joined, Proposal):
+        p = s.joined
+        s.joined = await collect(s, p, list(p.spec), {"propose": 0.0, "transfer": 0.0, "draft_compute": 0.0}) or {}
 
 
 def _answered(s: Scheduler, p: Proposal) -> None:

@@ -68,7 +68,7 @@ class Scheduler(Ending):
         self.propose_ahead = propose_ahead     # ... from the target, named in the Verify (proposals.plan_ahead)
         self.mixed_prefill = mixed_prefill     # a step's Prefill rides its round's Verify (gateway/chunking.py)
         self.riding: list[tuple[GenRequest, int]] = []     # that Prefill's items, until the Verify carries them
-        self.joined: proposals.Proposal | None = None      # its requests' first Propose, collected by the next round
+        self.joined: proposals.Proposal | dict | None = None   # its requests' first Propose (or its drafts): next round
         self.ahead: proposals.Proposal | None = None       # that Propose, collected by the next round
         self.planned = False                               # the last round planned the next: nobody to send
         self.proposing: list[proposals.Proposal] = []      # Proposes not yet answered
@@ -147,6 +147,7 @@ class Scheduler(Ending):
         items = chunking.plan(self) if self.waiting or self.prefilling else []
         self.riding = items if self.mixed_prefill and self.running else []    # one forward with the round's Verify
         if items and not self.riding:
+            await proposals.settle_joined(self)
             await self._holding([r for r, _ in items], chunking.prefill(self, items))
         self._off_round += time.perf_counter() - t0
         if self.running:
@@ -154,6 +155,7 @@ class Scheduler(Ending):
             await self._holding(batch + self.feed + [r for r, _ in self.riding], self._round(batch))
         if self.riding:                           # the round ended before its Verify: the prompts go alone
             items, self.riding = self.riding, []
+            await proposals.settle_joined(self)
             await self._holding([r for r, _ in items], chunking.prefill(self, items))
         if self.feed:                             # the round made no Propose: the chunks go alone
             feed, self.feed = self.feed, []
@@ -185,7 +187,7 @@ class Scheduler(Ending):
             ahead = None
         round_t0 = time.perf_counter() if ahead is None else self._round_end + self._off_round
         drafts, planned, self.planned = {}, self.planned, False
-        joined = self.joined.ids if self.joined is not None else set()     # proposed for already (mixed prefill)
+        joined = set(self.joined) if isinstance(self.joined, dict) else self.joined.ids if self.joined else set()
         if ahead is None:           # the policy's own time is the gateway's part of the round
             # who goes to the draft, each with its k (GenRequest.round_k); planned at the end of the last
             # round already, with nobody to send, unless a request became synced since (prefilled, re-synced)

@@ -288,3 +288,32 @@ def test_the_budget_flag_is_checked_by_name_and_passed_on_by_tandem_serve():
                                                                       "--max-num-batched-tokens", "96"]))}
     i = cmds["gateway"].index("--max-num-batched-tokens")
     assert cmds["gateway"][i + 1] == "96"
+
+
+def test_a_prompt_whose_chunks_ride_then_go_alone_keeps_the_draft_in_step(models):
+    """mixed: a long prompt's first chunks ride the rounds of a short stream, whose end leaves the next chunks to
+    Prefill calls of their own while the Propose that fed the draft the last riding chunk is still out. That
+    Propose's answer counts before the next chunk's (else the draft's pending tokens would skip a chunk): the draft
+    takes every chunk in order, never refuses one, and the tokens equal greedy decoding."""
+    te, de, s, log = cluster(models, 16, mixed=True)
+
+    async def main():
+        loop = asyncio.ensure_future(s.run())
+        short = request(s, prompt(6, 1), 2, 3)
+        s.submit(short)
+        await short.events.get()
+        long = request(s, prompt(100, 9), 2, 10)
+        s.submit(long)
+        out = [await drain(r) for r in (short, long)]
+        await settle(s, te, de)
+        loop.cancel()
+        return short, long, out
+    short, long, out = asyncio.run(main())
+    assert [err for _, err in out] == [None, None] and s.avail.degraded is None
+    kinds = [log[i][1] for i, _ in prefills_of(log, long.id)]
+    assert "Verify" in kinds and kinds[-1] == "Prefill", kinds          # rode, then alone
+    fed = [it for who, m, req in log if who == "draft" and m == "Propose" for it in req.items if it.request_id == long.id]
+    assert [it.position for it in fed] == sorted(it.position for it in fed)
+    assert all(a.position + len(a.new_token_ids) == b.position for a, b in zip(fed, fed[1:]))
+    assert long.stats.num_drafts > 0
+    assert out[1][0] == greedy_generate(models[0], long.prompt_ids, 10)
