@@ -103,13 +103,18 @@ def refused(s: Scheduler, reqs: list[GenRequest], e: grpc.aio.AioRpcError) -> No
         s._target_failed(failed, e, "Prefill")
 
 
-def unsent(s: Scheduler, items: list[tuple[GenRequest, int]]) -> None:
-    """The round they rode failed before the target ran them: new requests wait again at the head of the
-    queue (a prompt begun stays prefilling: the next step plans its chunk again)."""
+def unsent(s: Scheduler, items: list[tuple[GenRequest, int]], e: grpc.aio.AioRpcError) -> None:
+    """The Verify they rode failed: new requests wait again at the head of the queue (the target kept nothing of
+    them); a prompt begun stays begun where the target had no room (nothing of the step ran: the next step plans
+    its chunk again), else it ends with the Verify's status (the target may have dropped it)."""
     for r, _ in reversed(items):
-        if r.prefilled == 0 and r in s.prefilling and not r.finished:
+        if r.finished:
+            continue
+        if r.prefilled == 0 and r in s.prefilling:
             s.prefilling.remove(r)
             s.waiting.insert(0, r)
+        elif not preemption.cache_full(e):
+            s.fail(r, client_status(e), f"target Verify (with its prompt's chunk) failed: {e.details()}")
 
 
 def rode(s: Scheduler, items: list[tuple[GenRequest, int]], vresp: target_pb2.VerifyResponse) -> None:

@@ -222,7 +222,7 @@ class Scheduler(Ending):
             with tracing.phase("verify", [r.span for r in called], requests=len(batch)):
                 vresp = await self.target.Verify(vreq, timeout=call_budget(called, self.timeout)[0])
         except grpc.aio.AioRpcError as e:
-            chunking.unsent(self, riding)
+            chunking.unsent(self, riding, e)
             if not (preemption.cache_full(e) and preemption.preempt(self, batch)):
                 self._target_failed(batch, e, "Verify")
             return

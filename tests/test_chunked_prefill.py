@@ -87,7 +87,7 @@ def cluster(models, budget, fail_t=None, fail_d=None, before=None, prefix=False,
         de.cache.enable_prefix_cache("draft", 1)
     t, d = servicer_stubs(te, de)
     log = []
-    s = Scheduler(Recorded(t, "target", log, fail_t, before=before), Recorded(d, "draft", log, fail_d, code), set(),
+    s = Scheduler(Recorded(t, "target", log, fail_t, code, before), Recorded(d, "draft", log, fail_d, code), set(),
                   max_batch=8, transport=rows_pb2.TRANSPORT_BRIDGE, observer=Tokens(log), max_num_batched_tokens=budget,
                   mixed_prefill=mixed)
     return te, de, s, log
@@ -317,3 +317,34 @@ def test_a_prompt_whose_chunks_ride_then_go_alone_keeps_the_draft_in_step(models
     assert all(a.position + len(a.new_token_ids) == b.position for a, b in zip(fed, fed[1:]))
     assert long.stats.num_drafts > 0
     assert out[1][0] == greedy_generate(models[0], long.prompt_ids, 10)
+
+
+def test_a_failed_verify_ends_the_prompt_chunk_riding_it_and_requeues_new_ones(models):
+    """mixed: the Verify carrying a begun prompt's second chunk and a new prompt fails INTERNAL. The round's stream
+    and the begun prompt end with it (the target may have dropped that prompt's chunks); the new prompt waits again
+    and later finishes with its greedy tokens; nothing is left held on either service."""
+    seen = {"n": 0}
+
+    def fail(method, req):
+        pre = prefill_of(method, req)
+        if method != "Verify" or pre is None or not any(it.max_chunk_tokens for it in pre.items):
+            return False
+        seen["n"] += 1
+        return seen["n"] == 2                                    # the second chunk's Verify
+    te, de, s, log = cluster(models, 32, fail_t=fail, code=grpc.StatusCode.INTERNAL)
+
+    async def main():
+        loop = asyncio.ensure_future(s.run())
+        short = request(s, prompt(6, 1), 2, 40)
+        s.submit(short)
+        await short.events.get()
+        long, new = request(s, prompt(60, 9), 2, 6), request(s, prompt(5, 4), 2, 6)
+        s.submit(long)
+        s.submit(new)
+        out = [await drain(r) for r in (short, long, new)]
+        await settle(s, te, de)
+        loop.cancel()
+        return new, out
+    new, out = asyncio.run(main())
+    assert [e[0] if e else None for _, e in out] == [grpc.StatusCode.INTERNAL, grpc.StatusCode.INTERNAL, None]
+    assert out[2][0] == greedy_generate(models[0], new.prompt_ids, 6)

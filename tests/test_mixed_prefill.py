@@ -87,3 +87,28 @@ def test_a_prefill_without_room_is_refused_alone(models):
     assert isinstance(err, ServiceError) and err.code == "RESOURCE_EXHAUSTED" and "KV cache" in str(err)
     assert "big" not in te.cache and "big" not in te.partial and len(ver.accepted) == 2
     assert te.cache.num_free_blocks >= free - 2
+
+
+@pytest.mark.parametrize("riding", [False, True])
+def test_a_prompt_begun_in_chunks_stays_begun_when_a_step_has_no_room(models, riding):
+    """A chunked prompt's next chunk in a step the pool cannot hold (a large new prompt beside it), alone or riding a
+    Verify: RESOURCE_EXHAUSTED changes nothing of the begun prompt (the gateway sends its chunk again: "chunks of
+    prompts begun stay begun", gateway/preemption.py), the new one holds nothing; the chunk then goes on where it was
+    and the prompt's first token equals a whole prefill's."""
+    te, _ = engines(*models, blocks=12)
+    items = running(te, 1)
+    long = ("long", prompt(60, 7), Sampling())
+    te.prefill([long], None, [16])
+    free, begun = te.cache.num_free_blocks, dict(te.partial)
+    big = ("big", prompt(16 * free - 8, 8), Sampling())
+    if riding:
+        _, err = te.verify_and_prefill(items, None, [long, big], None, [16, 0])
+        assert isinstance(err, ServiceError) and err.code == "RESOURCE_EXHAUSTED"
+    else:
+        with pytest.raises(ServiceError, match="KV cache"):
+            te.prefill([long, big], None, [16, 0])
+    assert te.partial == begun and "big" not in te.cache and te.cache.length("long") == 16
+    while "long" in te.partial:
+        out = te.prefill([long], None, [16])
+    whole, _ = engines(*models, blocks=12)
+    assert out.first[0] == whole.prefill([long]).first[0]

@@ -36,6 +36,7 @@ class _PrefillStep(NamedTuple):
     logprobs: list | None
     spans: list[tuple[int, int]]      # per item the prompt positions computed now [start, end)
     seqs: dict[str, list[int]]        # their tokens, by request id
+    new: list[str]                    # the requests this call starts (not continuing a chunked prompt)
 
 
 class Verified(NamedTuple):
@@ -97,27 +98,37 @@ class TargetEngine:
         budgets: per item at most this many positions now (0: all; services/target/prefill.py)."""
         step = self._prefill_begin(items, logprobs, budgets)
         try:
-            hidden = self._forward(step.seqs)
-        except BaseException:
-            self._prefill_abort(items)
+            batch = self._prepare(step.seqs)
+        except ServiceError:                     # no room: nothing was extended, prompts begun stay begun
+            self._prefill_abort(step.new)
             raise
+        hidden = self._run_prefill(batch, items)
         return self._prefill_end(step, hidden)
 
     def _prefill_begin(self, items, logprobs, budgets) -> _PrefillStep:
         """Check the items and start their caches (prefix hits) -> the positions each computes now."""
         scored = [bool(w[1]) for w in logprobs] if logprobs else [False] * len(items)
         plan.check_items(self, items, scored)
+        new = [rid for rid, _, _ in items if rid not in self.partial]
         try:
             spans = plan.spans(self, items, scored, budgets or [0] * len(items))
         except BaseException:
-            self._prefill_abort(items)
+            self._prefill_abort(new)
             raise
-        return _PrefillStep(items, logprobs, spans, {rid: p[s:e] for (rid, p, _), (s, e) in zip(items, spans)})
+        return _PrefillStep(items, logprobs, spans, {rid: p[s:e] for (rid, p, _), (s, e) in zip(items, spans)}, new)
 
-    def _prefill_abort(self, items) -> None:
-        for rid, _, _ in items:
+    def _prefill_abort(self, rids: list[str]) -> None:
+        """Drop these requests' prefill state and cache (a failed step: the gateway starts them again or ends them)."""
+        for rid in rids:
             self.partial.pop(rid, None)
             self.cache.release(rid)
+
+    def _run_prefill(self, batch, items) -> torch.Tensor:
+        try:
+            return self._run(batch)
+        except BaseException:                    # the step's caches were extended: its prompts are not resumable
+            self._prefill_abort([rid for rid, _, _ in items])
+            raise
 
     def _prefill_end(self, step: _PrefillStep, hidden: torch.Tensor):
         """The computed rows [sum(end - start), D] -> Prefilled: first tokens of the prompts prefilled to the end."""
@@ -160,16 +171,14 @@ class TargetEngine:
         reqs, vseqs = self._verify_begin(items)
         try:
             step = self._prefill_begin(prefill_items, prefill_logprobs, budgets)
-            batch = self._prepare({**vseqs, **step.seqs})
         except ServiceError as e:
-            if e.code == "RESOURCE_EXHAUSTED":
-                self._prefill_abort(prefill_items)
-            return self.verify([(rid, d, q) for rid, d, q in items], logprobs), e
+            return self.verify(items, logprobs), e
         try:
-            hidden = self._run(batch)
-        except BaseException:
-            self._prefill_abort(prefill_items)
-            raise
+            batch = self._prepare({**vseqs, **step.seqs})
+        except ServiceError as e:                # no room for both: its new prompts wait, prompts begun stay begun
+            self._prefill_abort(step.new)
+            return self.verify(items, logprobs), e
+        hidden = self._run_prefill(batch, prefill_items)
         nv = sum(len(s) for s in vseqs.values())
         return self._verify_end(items, logprobs, reqs, hidden[:nv]), self._prefill_end(step, hidden[nv:])
 
