@@ -18,6 +18,10 @@ and the gateway commits: one hop and the gateway's planning off the round's crit
 could not send (VerifyResponse.ahead_sent false) is sent by the gateway as above; a collect that fails follows
 a Propose's fault rules.
 
+After a Prefill that rode the round's Verify (gateway/chunking.py), the joining requests' first Propose and the
+prompts' feeds go out together as the Verify answers (`join`: the prefill's row set is taken once), collected by the
+next round (`collect_joined`), or before a later chunk's answer is applied outside a round (`settle_joined`).
+
 `send` starts the call and returns a Proposal; `collect` awaits it and applies the answer, with the fault
 rules of a Propose (gateway/scheduler.py's docstring): a contract error fails the round's requests, any
 other failure costs only their drafts (re-synced later), and a new request the draft's prefix cache lacked
