@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from hypothesis import event, given, strategies as st
 
-from fuzz_cluster import (BRIDGE, HIDDEN, INLINE, LIVE, PROMPT, TIMEOUT, VOCAB, assert_finite_probs, assert_tokens,
-                          expect_client_error, fuzz_settings, prefill_live, sometimes)
+from fuzz_cluster import (BRIDGE, CLIENT_ERRORS, HIDDEN, INLINE, LIVE, PROMPT, TIMEOUT, VOCAB, assert_finite_probs,
+                          assert_tokens, expect_client_error, fuzz_settings, prefill_live, sometimes)
 from models.loader import load_model
 from models.model import TargetModel
 from models.runner import greedy_generate
@@ -162,6 +162,39 @@ def test_fuzz_prefill(fuzz_cluster, items, want_rows, transport):
                     assert not math.isnan(e.logprob), "Prefill logprobs: NaN"
     finally:
         fuzz_cluster.release({r for r, *_ in items})
+
+
+@fuzz_settings(100)
+@given(live=sampling(valid=True), items=sometimes(
+           st.lists(st.tuples(rid, tokens, sampling(), maybe(small), st.booleans()), min_size=1, max_size=3,
+                    unique_by=lambda x: x[0]),
+           st.lists(st.tuples(sometimes(rid, st.just(LIVE)), tokens, sampling(), maybe(uint32), st.booleans()),
+                    max_size=3)),
+       chunk=maybe(small), want_rows=st.booleans(), transport=enum)
+def test_fuzz_verify_with_a_prefill_riding_it(fuzz_cluster, live, items, chunk, want_rows, transport):
+    """A valid Verify carrying a hostile Prefill (VerifyRequest.prefill): the Verify is answered whatever the
+    prefill holds; the prefill is answered as a Prefill call would be, or refused alone with a client error
+    (prefill_status), never failing the round."""
+    c, used = fuzz_cluster, {LIVE} | {r for r, *_ in items}
+    try:
+        prefill_live(c, live)
+        pre = target_pb2.PrefillRequest(return_hidden_rows=want_rows, transport=transport, items=[
+            target_pb2.PrefillItem(request_id=r, prompt_token_ids=t, sampling=s, logprobs=lp, prompt_logprobs=p,
+                                   max_chunk_tokens=chunk or 0) for r, t, s, lp, p in items])
+        resp = c.target.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(request_id=LIVE)],
+                                                        prefill=pre), timeout=TIMEOUT)
+        assert [len(r.emitted_token_ids) for r in resp.results] == [1]
+        assert_tokens(resp.results[0].emitted_token_ids, "Verify emitted_token_ids")
+        if resp.prefill_status.code:
+            code = next(c for c in grpc.StatusCode if c.value[0] == resp.prefill_status.code)
+            event(f"riding Prefill refused: {code.name}")
+            assert code in CLIENT_ERRORS and not resp.HasField("prefill") and resp.prefill_status.message
+        else:
+            event("riding Prefill answered")
+            assert len(resp.prefill.first_token_ids) == len(items)
+            assert_tokens(resp.prefill.first_token_ids, "riding Prefill first_token_ids")
+    finally:
+        fuzz_cluster.release(used)
 
 
 @fuzz_settings(150)
