@@ -167,7 +167,9 @@ class _Collector:
                 ("spec_decode_num_draft_tokens", "Draft tokens proposed", st.num_draft_tokens),
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted", st.num_accepted_tokens),
                 ("spec_decode_proposals_ahead", "Rounds whose Propose the target sent the draft from the round "
-                 "before's Verify (gateway/proposals.py)", s.ahead_rounds)):
+                 "before's Verify (gateway/proposals.py)", s.ahead_rounds),
+                ("num_prefills_in_verify", "Prefills (new prompts, chunks) that rode a round's Verify, one forward "
+                 "(gateway/chunking.py)", s.mixed_prefills)):
             c = CounterMetricFamily(f"tandem:{name}", doc, labels=["model_name"])
             c.add_metric(lab, v)
             yield c

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from cluster import Cluster, make_checkpoint, serve_module
+from test_faults import metric
 from models.loader import load_model
 from models.model import TargetModel
 from models.runner import greedy_generate
@@ -93,6 +94,7 @@ def test_running_streams_get_tokens_between_the_chunks_of_a_long_prompt(cl):
     while len({name for name, _ in list(log)}) < 3:      # all three are running
         time.sleep(0.05)
     long = ids(350, 950)                                   # 50 chunks of 7
+    rode = metric(url, "tandem:num_prefills_in_verify")
     with lock:
         log.append(("long", "sent"))
     t = threading.Thread(target=stream, args=(url, long, 2, log, "long", threading.Event(), lock))
@@ -109,6 +111,7 @@ def test_running_streams_get_tokens_between_the_chunks_of_a_long_prompt(cl):
     print(f"tokens of each running stream while a {len(long)}-token prompt was prefilled in chunks of "
           f"{BUDGET}: {between}")
     assert all(n >= 40 for n in between.values()), between          # >= 1 a round, 50 rounds
+    assert metric(url, "tandem:num_prefills_in_verify") - rode >= 45    # its chunks rode the rounds' Verifies
     cl.wait_drained()
 
 
