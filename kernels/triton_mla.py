@@ -59,12 +59,15 @@ def paged_softmax_step(j, jm, sm, q, qp, m_i, l_i, acc, ckv_ptr, kpe_ptr, bt_ptr
     return m_new, l_i, acc
 
 
-@triton.jit
+# SPLITS and the tables' width s_bt are run-time values, not specialized: both follow the step's longest request, and
+# as constants (or ints specialized on 1 and multiples of 16) each value was a kernel of its own, compiled (0.9 s on
+# the H200) by the first eager step that met it mid-serving (BENCHMARKS.md, twenty-fifth session)
+@triton.jit(do_not_specialize=["SPLITS", "s_bt"])
 def _mla_kernel(ql_ptr, qp_ptr, ckv_ptr, kpe_ptr, bt_ptr, req_ptr, pos_ptr, clen_ptr, out_ptr, ws_ptr, ml_ptr,
                 s_qln, s_qlh, s_qpn, s_qph, s_cb, s_cs, s_kb, s_ks, s_bt, s_on, s_oh,
-                H, R, P, block_size, scale_log2,
+                H, R, P, block_size, scale_log2, SPLITS,
                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                SPLITS: tl.constexpr, PER_MIN: tl.constexpr, KV_TILES: tl.constexpr,
+                PER_MIN: tl.constexpr, KV_TILES: tl.constexpr,
                 DYNAMIC_LOOP: tl.constexpr, PRECISION: tl.constexpr, cnt_ptr=None, MERGE: tl.constexpr = False):
     n = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -148,7 +151,7 @@ def _combine_kernel(ws_ptr, ml_ptr, out_ptr, s_on, s_oh, H, R,
 
 @triton.jit
 def _merge(ws_ptr, ml_ptr, out_ptr, n, heads, hm, r, omask, s_on, s_oh, H, live, BLOCK_R: tl.constexpr,
-           SPLITS: tl.constexpr, DYNAMIC: tl.constexpr = False):
+           SPLITS, DYNAMIC: tl.constexpr = False):
     # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s over the first `live` splits (splits
     # with no key: m_s = -inf, their partial sums neither read nor added), over columns r of row n's heads, in a
     # fixed order; DYNAMIC (compiled): a loop of `live` steps, else of SPLITS, the rest masked (the same sums);
@@ -174,15 +177,14 @@ def _merge(ws_ptr, ml_ptr, out_ptr, n, heads, hm, r, omask, s_on, s_oh, H, live,
 
 
 @triton.jit
-def _split_max(m, ml_ptr, n, s, heads, hm, live, H, SPLITS: tl.constexpr):
+def _split_max(m, ml_ptr, n, s, heads, hm, live, H, SPLITS):
     mine = hm & (heads * 0 + s < live)                                            # [BH], one value
     return tl.maximum(m, tl.load(ml_ptr + ((n * SPLITS + s) * H + heads) * 2, mask=mine, other=float("-inf"),
                                  cache_modifier=".cg"))
 
 
 @triton.jit
-def _split_add(acc, l, m, ws_ptr, ml_ptr, n, s, heads, hm, r, omask, live, H, BLOCK_R: tl.constexpr,
-               SPLITS: tl.constexpr):
+def _split_add(acc, l, m, ws_ptr, ml_ptr, n, s, heads, hm, r, omask, live, H, BLOCK_R: tl.constexpr, SPLITS):
     row = (n * SPLITS + s) * H + heads
     mine = hm & (heads * 0 + s < live)
     ms = tl.load(ml_ptr + row * 2, mask=mine, other=float("-inf"), cache_modifier=".cg")
@@ -243,9 +245,9 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Ten
     _mla_kernel[grid](q_lat, q_pe, ckv, kpe, block_tables, token_request, positions, context_lens, out, ws, ml,
                       q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), ckv.stride(0),
                       ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0), out.stride(0),
-                      out.stride(1), H, R, P, block_size, scale * LOG2E,
+                      out.stride(1), H, R, P, block_size, scale * LOG2E, splits,
                       BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(P)),
-                      SPLITS=splits, PER_MIN=per_min,
+                      PER_MIN=per_min,
                       KV_TILES=0 if q_lat.is_cuda else triton.cdiv(max_context, block_n),
                       DYNAMIC_LOOP=q_lat.is_cuda, PRECISION=dot_precision(q_lat), cnt_ptr=arrivals if merge else None,
                       MERGE=merge, num_warps=num_warps or (8 if block_r >= 256 else 4), num_stages=2)

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from kernels.dispatch import PREFILL_MIN_ROWS
 from models.batch import Stage, lay_out
 from models.kv_cache import PagedKVCache
 
@@ -163,12 +164,13 @@ class GraphedForward:
 def eager_shapes(max_tokens: int) -> list[tuple[int, int]]:
     """(tokens, requests) of the eager steps run at start: from just past the graphs' largest bucket to 8x it, 1.15x
     apart (the fused MoE's size classes), over one request (long contexts: many key splits), three, or requests of
-    ~64 tokens (one split)."""
+    ~64 tokens (one split); then one step whose requests bring at most PREFILL_MIN_ROWS tokens each, attended as a
+    decode step is, outside a graph (a verify with short prompts riding it)."""
     out, n = [], max_tokens + 8
     while n <= 8 * max_tokens + 8:
         out.append((n, (1, 3, max(1, n // 64))[len(out) % 3]))
         n = int(n * 1.15) + 1
-    return out
+    return out + [(max_tokens + 8, -(-(max_tokens + 8) // PREFILL_MIN_ROWS))]
 
 
 def enable(engine, extra_rows: int = 0, max_tokens: int = 512, warmup_batch: int = 0) -> None:

@@ -74,3 +74,44 @@ def test_graph_replay_equals_eager(tiny, which, staged, monkeypatch):
             torch.testing.assert_close(graph_cache.ckv[layer].view(-1, graph_cache.ckv.shape[-1])[slots(graph_cache)],
                                        eager_cache.ckv[layer].view(-1, eager_cache.ckv.shape[-1])[slots(eager_cache)],
                                        rtol=1e-4, atol=1e-4)
+
+
+def compiled_variants() -> dict[str, int]:
+    """Kernel variants compiled so far in this process, per Triton function of kernels/ (its per-device caches)."""
+    import sys
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        for attr, v in (vars(mod).items() if name.startswith("kernels.") else ()):
+            f = v.fn if isinstance(v, Autotuner) else v
+            if isinstance(f, JITFunction):
+                out[f"{name}.{attr}"] = sum(len(c[0]) for c in f.device_caches.values())
+    return out
+
+
+def test_no_kernel_compiles_after_start(tmp_path):
+    """After the engine's start (graphs captured, the eager size classes run) and one small step, steps of new shapes
+    compile nothing: eager steps past the graphs whose attention is the decode form (no request brings more than 64
+    query rows) over tables of other widths, so other key-split counts, and a Verify with prompts riding it. Such a
+    first step compiled the attention kernel for 0.9 s mid-serving (BENCHMARKS.md, twenty-fifth session)."""
+    from cluster import make_checkpoint
+    from services.launch import build_engine
+    from services.sampling import Sampling
+    from services.target.engine import TargetEngine
+    te = build_engine(TargetEngine, TargetModel, str(make_checkpoint(tmp_path, seed=4)), "cuda", torch.bfloat16,
+                      num_blocks=1024, graph_batch=8)
+    g = torch.Generator().manual_seed(0)
+    new = lambda tag, n, k: [(f"{tag}{i}", torch.randint(3, 500, (k,), generator=g).tolist(), Sampling()) for i in range(n)]
+    drafts = lambda ids, k: [(r, [te.requests[r].pending_token] * k, None) for r in ids]
+    te.prefill(new("s", 1, 10))
+    te.verify(drafts(["s0"], 2))                            # a first (graphed) step of each call
+    before = compiled_variants()
+    te.prefill(new("a", 12, 50))                            # 600 tokens of 12 prompts <= 64: eager, one split
+    te.prefill(new("b", 2, 300))                            # prompts past 64 rows: the prefill form
+    te.verify(drafts([f"a{i}" for i in range(12)] + ["b0", "b1"], 3))       # tables 20 blocks wide: 3 splits
+    te.prefill(new("c", 1, 1500))
+    ids = [f"a{i}" for i in range(12)] + ["b0", "b1", "c0"]
+    te.verify_and_prefill(drafts(ids, 3), None, new("d", 7, 60))            # 94 blocks: 12 splits, prompts riding
+    grown = {k: n - before.get(k, 0) for k, n in compiled_variants().items() if n != before.get(k, 0)}
+    assert not grown, f"kernels compiled after the start: {grown}"
