@@ -187,7 +187,8 @@ def acceptance(argv) -> int:
     from models.tiny import default_model
     p = argparse.ArgumentParser(prog="tandem bench acceptance", description=__doc__)
     p.add_argument("--model", default=None)
-    p.add_argument("--gateway", default=None, help="use a running gateway (HOST:PORT) instead of starting one")
+    p.add_argument("--gateway", default=None, help="use a running gateway (HOST:PORT) instead of starting one (one "
+                   "started with --speculation fixed: an adaptive gateway drafts its own k, not the table's K)")
     p.add_argument("--max-k", type=int, default=4)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--prompt-chars", type=int, default=600, help="at most this long, cut after a line break")
@@ -200,8 +201,9 @@ def acceptance(argv) -> int:
     a, extra = p.parse_known_args(argv)
     model = str(a.model or default_model())
     proc = None
-    if a.gateway is None:
-        proc, a.gateway, _ = start_cluster(model, a.max_k, extra)
+    if a.gateway is None:   # the model's acceptance at each K: every round drafts K (adaptive would pick its own k)
+        fixed = [] if any(x.split("=")[0] == "--speculation" for x in extra) else ["--speculation", "fixed"]
+        proc, a.gateway, _ = start_cluster(model, a.max_k, fixed + extra)
     try:
         stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(a.gateway))
         prompts = heldout_prompts(Path(model), a.prompts, a.prompt_chars, a.seed, end_at_line=not a.mid_line)

@@ -256,3 +256,19 @@ def test_bench_gateway_commits_every_token(tmp_path):
     assert [(r["batch"], r["output_tokens"]) for r in rows] == [(1, 40), (4, 40)]
     for r in rows:      # ~1 + 0.92 + 0.66 + 0.24 tokens a round with the R1-like profile: far fewer rounds than tokens
         assert 5 < r["rounds"] < 30 and r["ms_per_round"] > 0, r
+
+
+def test_bench_acceptance_drafts_k_every_round(tmp_path):
+    """`tandem bench acceptance` measures the model at each K: its cluster drafts K every round (--speculation fixed),
+    so a K row never makes more than K + 1 tokens per target forward. Under `tandem serve`'s default (adaptive)
+    rounds of fewer drafts went uncounted: 3.3-3.8 tokens a forward at K = 1, and pos 3 moved 0.26-0.59 run to run."""
+    cmd = [sys.executable, "-m", "tandem", "bench", "acceptance", "--max-k", "2", "--prompts", "3", "--max-tokens",
+           "24", "--temperatures", "0,1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "(K=2 fixed," in proc.stdout + proc.stderr                    # `tandem serve`'s start line
+    rows = json.loads((tmp_path / "acceptance.json").read_text())
+    assert [(r["temperature"], r["k"]) for r in rows] == [(t, k) for t in (0.0, 1.0) for k in (1, 2)]
+    for r in rows:
+        assert r["drafts"] > 0 and 1 <= r["mean_acceptance_length"] <= r["k"] + 1, r
+        assert r["tokens_per_forward"] <= r["k"] + 1, r
