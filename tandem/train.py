@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,12 +24,12 @@ from models.config import ModelConfig
 from tandem.train_data import EOS, held_windows, prepare_data, sample_batch, token_bytes, token_stream  # noqa: F401
 from tandem.train_model import autocast, build_models, evaluate, export, forward_losses
 
-ARCH_1 = dict(  # edition 1, today's bundled model: ~15.5 M parameters with the MTP layer, 31 MB in bf16
+ARCH_1 = dict(  # edition 1, the first bundled model: ~15.5 M parameters with the MTP layer, 31 MB in bf16
     vocab_size=8192, hidden_size=256, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=8,
     q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
     intermediate_size=768, moe_intermediate_size=256, n_routed_experts=8, n_shared_experts=1,
     num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5)
-ARCH = dict(  # edition 2 (issue 18): 20 layers of width 256, 23.5 M parameters, 47 MB in bf16; one MTP step costs
+ARCH = dict(  # edition 2 (issue 18), the bundled model: 20 layers of width 256, 23.5 M parameters, 47 MB in bf16; one MTP step costs
     vocab_size=8192, hidden_size=256, num_hidden_layers=20, num_attention_heads=8, num_key_value_heads=8,  # ~0.1 of
     q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,  # a target step
     intermediate_size=768, moe_intermediate_size=96, n_routed_experts=8, n_shared_experts=1,  # (CPU, batch 1-32)
@@ -53,8 +54,8 @@ class TrainConfig:
     max_files: int = 0                        # 0: all (small for smoke tests)
     heldout_frac: float = 0.05
     seed: int = 0
-    edition: int = 1                          # EDITIONS: 1 today's bundled model, 2 the deeper one of issue 18
-    arch: dict = field(default_factory=lambda: dict(ARCH_1))  # config.json fields; --arch KEY=JSON overrides
+    edition: int = 2                          # EDITIONS: 2 the bundled model (issue 18), 1 the first, 5-layer one
+    arch: dict = field(default_factory=lambda: dict(ARCH))  # config.json fields; --arch KEY=JSON overrides
     seq_len: int = 1024
     batch_size: int = 64                      # sequences per optimizer step
     micro_batch: int = 64                     # sequences per forward
@@ -104,7 +105,7 @@ def schedule_progress(run: dict, c: TrainConfig) -> float:
 
 def parse(argv: list[str]) -> TrainConfig:
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--edition", type=int, default=1, choices=sorted(EDITIONS))
+    pre.add_argument("--edition", type=int, default=2, choices=sorted(EDITIONS))
     edition = EDITIONS[pre.parse_known_args(argv)[0].edition]
     p = argparse.ArgumentParser(prog="tandem train", description=__doc__.splitlines()[0])
     p.add_argument("--arch", action="append", default=[], metavar="KEY=JSON", help="config.json field, e.g. hidden_size=128")
@@ -126,6 +127,9 @@ def main(argv: list[str]) -> int:
     if state:  # continue the saved run with its config, except where and for how long
         keep = ("out", "work_dir", "resume", "device", "max_minutes", "reserve_s", "compile", "eval_every")
         c = TrainConfig(**{**state["cfg"], **{k: getattr(c, k) for k in keep}})
+    if c.edition == 2 and not c.extra:
+        print("tandem train: no --extra: training on the stdlib alone, not the bundled model's recipe (its --extra "
+              "is `tandem corpus`'s extra/ folder; the model card has the command)", file=sys.stderr, flush=True)
     out, work = Path(c.out), Path(c.work_dir)
     out.mkdir(parents=True, exist_ok=True), work.mkdir(parents=True, exist_ok=True)
     train_ids, held_ids, corpus, nbytes = prepare_data(c, out, state is not None, pre_tokenizer(c))  # [N], [N_held], [V]
