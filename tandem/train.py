@@ -29,7 +29,7 @@ ARCH_1 = dict(  # edition 1, the first bundled model: ~15.5 M parameters with th
     q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
     intermediate_size=768, moe_intermediate_size=256, n_routed_experts=8, n_shared_experts=1,
     num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5)
-ARCH = dict(  # edition 2 (issue 18), the bundled model: 20 layers of width 256, 23.5 M parameters, 47 MB in bf16; one MTP step costs
+ARCH = dict(  # edition 2 (issue 18), bundled: 20 layers of 256, 23.5 M parameters, 47 MB in bf16; one MTP step costs
     vocab_size=8192, hidden_size=256, num_hidden_layers=20, num_attention_heads=8, num_key_value_heads=8,  # ~0.1 of
     q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,  # a target step
     intermediate_size=768, moe_intermediate_size=96, n_routed_experts=8, n_shared_experts=1,  # (CPU, batch 1-32)

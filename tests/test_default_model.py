@@ -9,8 +9,8 @@ from tandem.bench import heldout_prompts, run_acceptance
 from tandem.v1 import generate_pb2
 
 MODEL = REPO / "checkpoints" / "tandem-code-mini"
-# the second edition on this sample (mid-line cuts, 48 tokens): 2.962 at K = 3 (2026-12-04; the first edition's floor: 2.55);
-# the floor ~0.1 under
+# the second edition on this sample (mid-line cuts, 48 tokens): 2.962 at K = 3 (2026-12-04; the first
+# edition's floor: 2.55); the floor ~0.1 under
 FLOOR_MEAN_ACCEPTANCE_K3 = 2.85
 PROMPTS, PROMPT_CHARS, NEW_TOKENS = 8, 600, 48
 

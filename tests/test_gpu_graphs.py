@@ -102,7 +102,8 @@ def test_no_kernel_compiles_after_start(tmp_path):
     te = build_engine(TargetEngine, TargetModel, str(make_checkpoint(tmp_path, seed=4)), "cuda", torch.bfloat16,
                       num_blocks=1024, graph_batch=8)
     g = torch.Generator().manual_seed(0)
-    new = lambda tag, n, k: [(f"{tag}{i}", torch.randint(3, 500, (k,), generator=g).tolist(), Sampling()) for i in range(n)]
+    new = lambda tag, n, k: [(f"{tag}{i}", torch.randint(3, 500, (k,), generator=g).tolist(), Sampling())
+                             for i in range(n)]
     drafts = lambda ids, k: [(r, [te.requests[r].pending_token] * k, None) for r in ids]
     te.prefill(new("s", 1, 10))
     te.verify(drafts(["s0"], 2))                            # a first (graphed) step of each call
