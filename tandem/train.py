@@ -71,7 +71,8 @@ class TrainConfig:
     bias_gamma: float = 1e-3
     max_steps: int = 0                        # 0: the time budget
     max_minutes: float = 10.0                 # the whole command, data and export included
-    train_minutes: float = 0.0                # > 0: the training loop's time budget (the schedule's length), if sooner
+    train_minutes: float = 0.0                # > 0: the schedule's length in training time (may span --resume calls)
+    stop_step: int = 0                        # > 0: this call stops after that step; --resume goes on with the schedule
     reserve_s: float = 45.0                   # of that, kept for the final eval and export
     eval_every: int = 500
     eval_seqs: int = 64                       # periodic eval; the final one uses up to 8x
@@ -125,7 +126,7 @@ def main(argv: list[str]) -> int:
     t0, c = time.time(), parse(argv)
     state = torch.load(c.resume, map_location="cpu", weights_only=False) if c.resume else None
     if state:  # continue the saved run with its config, except where and for how long
-        keep = ("out", "work_dir", "resume", "device", "max_minutes", "reserve_s", "compile", "eval_every")
+        keep = ("out", "work_dir", "resume", "device", "max_minutes", "reserve_s", "compile", "eval_every", "stop_step")
         c = TrainConfig(**{**state["cfg"], **{k: getattr(c, k) for k in keep}})
     if c.edition == 2 and not c.extra:
         print("tandem train: no --extra: training on the stdlib alone, not the bundled model's recipe (its --extra "
@@ -143,7 +144,7 @@ def main(argv: list[str]) -> int:
                             lr=c.lr, betas=(0.9, 0.95), **({"fused": True} if c.device.startswith("cuda") else {}))
     g = torch.Generator(c.device).manual_seed(c.seed + 17)
     deadline = t0 + c.max_minutes * 60 - c.reserve_s
-    budget = min(deadline - time.time(), c.train_minutes * 60 or float("inf"))
+    budget = c.train_minutes * 60 or deadline - time.time()         # the schedule: may outlast this call
     run = dict(step=0, tokens=0, train_s=0.0, evals=[], budget_s=max(budget, 1.0))
     if state:
         target.load_state_dict(state["target"]), draft.load_state_dict(state["draft"]), opt.load_state_dict(state["opt"])
@@ -158,7 +159,8 @@ def main(argv: list[str]) -> int:
     best, best_loss, recent, accum = None, float("inf"), [], c.batch_size // c.micro_batch
     bar = tqdm(total=c.max_steps or None, initial=run["step"], unit="step", dynamic_ncols=True, mininterval=2)
     last_save, t_log, tok_log, steady = time.time(), time.time(), run["tokens"], None
-    while time.time() < deadline and (progress := schedule_progress(run, c)) < 1:
+    while (time.time() < deadline and (progress := schedule_progress(run, c)) < 1
+           and not (c.stop_step and run["step"] >= c.stop_step)):
         t_step, cos = time.time(), 0.5 * (1 + math.cos(math.pi * progress))   # linear warmup, then cosine by progress
         lr = c.lr * min((run["step"] + 1) / c.warmup_steps, c.min_lr_frac + (1 - c.min_lr_frac) * cos)
         for grp in opt.param_groups:
@@ -202,6 +204,9 @@ def main(argv: list[str]) -> int:
             last_save = time.time()
     bar.close()
     save_work()
+    if (progress := schedule_progress(run, c)) < 1:
+        print(f"tandem train: stopped at step {run['step']}, {100 * progress:.0f} % of the schedule; the export is "
+              f"these weights; continue with --resume {work / 'last.pt'}", file=sys.stderr, flush=True)
     rm, rt, _, _ = torch.stack(recent).mean(0).tolist() if recent else [float("nan")] * 4
     chosen = dict(step=run["step"], train_loss=rm, train_mtp_loss=rt)
     if best is not None and evaluate(target, draft, held_ids, c, c.eval_seqs)["loss"] > best_loss:

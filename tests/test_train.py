@@ -133,3 +133,23 @@ def test_bench_heldout_matches_the_training_log(trained, tmp_path):
     assert got["eval_tokens"] == log["heldout_eval_tokens"]
     # the export is bf16, training evaluated the fp32 master weights: close, not equal
     assert got["bits_per_byte"] == pytest.approx(log["heldout_bits_per_byte"], rel=0.02)
+
+
+def test_a_run_split_over_two_calls_ends_where_one_call_ends(tmp_path, capsys):
+    """--stop-step ends a call mid-schedule (it says how to go on); --resume continues the same schedule, data order
+    and optimizer: the last weights equal one uninterrupted call's, bit for bit."""
+    args = [f"--arch={k}={v}" for k, v in TINY.items()] + [
+        "--max-files", "24", "--seq-len", "32", "--batch-size", "4", "--micro-batch", "2", "--max-steps", "6",
+        "--eval-every", "3", "--eval-seqs", "4", "--warmup-steps", "2", "--max-minutes", "5", "--reserve-s", "1",
+        "--device", "cpu", "--edition", "2", "--mtp-depths", "1"]
+    assert train.main(args + ["--out", str(tmp_path / "one"), "--work-dir", str(tmp_path / "w1")]) == 0
+    assert train.main(args + ["--out", str(tmp_path / "two"), "--work-dir", str(tmp_path / "w2"), "--stop-step", "3"]) == 0
+    assert "stopped at step 3, 50 % of the schedule" in capsys.readouterr().err
+    assert train.main(["--resume", str(tmp_path / "w2" / "last.pt"), "--out", str(tmp_path / "two"), "--work-dir",
+                       str(tmp_path / "w2"), "--device", "cpu", "--max-minutes", "5", "--reserve-s", "1"]) == 0
+    assert "stopped at step" not in capsys.readouterr().err
+    one, two = (torch.load(tmp_path / w / "last.pt", weights_only=False) for w in ("w1", "w2"))
+    assert one["run"]["step"] == two["run"]["step"] == 6 and one["run"]["tokens"] == two["run"]["tokens"]
+    for part in ("target", "draft"):
+        for name, t in one[part].items():
+            assert torch.equal(t, two[part][name]), (part, name)
