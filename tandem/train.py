@@ -40,7 +40,7 @@ ARCH = dict(  # edition 2 (issue 18), bundled: 20 layers of 256, 23.5 M paramete
 # --extra (`tandem corpus`'s extra/): without it, it trains on the stdlib alone
 EDITIONS = {1: dict(arch=ARCH_1, lr=2e-3, max_steps=0, eval_every=500, pre_tokens="gpt2", depth_init=False),
             2: dict(arch=ARCH, lr=2e-3, max_steps=0, eval_every=250, pre_tokens="code", depth_init=True,
-                    corpus_repeat=2, mtp_depths=3, chain_rows=16, train_minutes=7.75, max_minutes=9.3, reserve_s=30.0)}
+                    corpus_repeat=2, mtp_depths=3, chain_rows=16, train_minutes=6.55, max_minutes=9.3, reserve_s=30.0)}
 
 
 @dataclass

@@ -97,7 +97,7 @@ def test_editions():
     one, two = train.parse(["--edition", "1"]), train.parse(["--lr", "1e-3"])
     assert one.arch == train.ARCH_1 and (one.lr, one.max_steps, one.eval_every, one.mtp_depths) == (2e-3, 0, 500, 1)
     assert (one.corpus_repeat, one.depth_init, one.train_minutes, one.extra) == (1, False, 0.0, "")
-    assert two.arch == train.ARCH and (two.lr, two.mtp_depths, two.corpus_repeat, two.train_minutes) == (1e-3, 3, 2, 7.75)
+    assert two.arch == train.ARCH and (two.lr, two.mtp_depths, two.corpus_repeat, two.train_minutes) == (1e-3, 3, 2, 6.55)
     assert json.loads((Path(__file__).parents[1] / "checkpoints/tandem-code-mini/config.json").read_text())[
         "num_hidden_layers"] == two.arch["num_hidden_layers"] == train.TrainConfig().arch["num_hidden_layers"]
 
