@@ -267,4 +267,3 @@ class Scheduler(Ending):
     @property
     def _speculating(self) -> bool:
         return self.draft is not None and self.avail.degraded is None
-
