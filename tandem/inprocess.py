@@ -36,6 +36,7 @@ class _Context:
 class TensorChannel:
     """The bridge in one process: the target parks each transfer's rows, the draft takes them (on its device)."""
     ready = True
+    pushes = False                                  # parked: sent before the Propose that names them
 
     def __init__(self, draft_device):
         self.device, self.rows, self.lock = draft_device, {}, threading.Lock()
@@ -53,6 +54,9 @@ class TensorChannel:
         if field:                                   # checked finite, as RowChannel.take does
             check_finite(rows, field)
         return rows
+
+    def take_later(self, transfer_id: int, timeout_s: float, field: str):
+        return self.take(transfer_id, timeout_s, field), None
 
     def discard(self, transfer_id: int) -> None:
         with self.lock:

@@ -106,6 +106,36 @@ def test_shared_memory_ring_carries_frames_and_reports_overwritten_ones():
     assert not names & set(os.listdir("/dev/shm"))                                 # the owner unlinked both
 
 
+def test_a_ring_take_waits_for_a_transfer_not_yet_pushed():
+    """The target pushes the next round's Propose before the rows it names (services/target/server.py), so the
+    draft's take_later waits (up to channel.RING_WAIT_S) for a transfer its slot does not hold yet; one the slot
+    has already moved past (a later id) is gone at once; one that never comes is None after the wait."""
+    import threading
+    import time
+    sender = ShmSender(capacity=8 * 4096, slots=8)
+    receiver = ShmReceiver(sender.spec().encode())
+    try:
+        sender.push(1, torch.ones(2, 8), DTYPE_TO_PB[torch.float32])
+        late = threading.Timer(0.2, sender.push, (9, torch.full((3, 8), 9.0), DTYPE_TO_PB[torch.float32]))
+        late.start()                                     # slot 1 holds transfer 1 until then
+        t0 = time.perf_counter()
+        assert receiver.take(9) is None                  # without a wait: not there
+        payload, code = receiver.take(9, wait_s=10.0)
+        waited = time.perf_counter() - t0
+        assert torch.equal(payload.view(PB_TO_DTYPE[code]).reshape(3, 8), torch.full((3, 8), 9.0))
+        assert 0.15 < waited < 5.0, waited
+        t0 = time.perf_counter()
+        assert receiver.take(1, wait_s=10.0) is None     # slot 1 moved on to 9: 1 is gone, no wait
+        assert time.perf_counter() - t0 < 1.0
+        t0 = time.perf_counter()
+        assert receiver.take(10, wait_s=0.3) is None     # slot 2 never holds it
+        assert 0.25 < time.perf_counter() - t0 < 5.0
+        late.join()
+    finally:
+        receiver.close()
+        sender.close()
+
+
 # --- the channel agrees on CPU ------------------------------------------------------------------------
 def pair(sender_backend: str, receiver_backend: str):
     hello = {"model_identity": "sha256:aaaa", "contract_version": CONTRACT_VERSION}

@@ -111,7 +111,21 @@ def receiver(addr: str) -> None:
             bad.append(f"transfer {i + 1} ({CASES[i][0]} rows of {want.dtype}): bits differ")
         elif i != POISONED and not torch.equal(ch.take(i + 1, timeout_s=30, field=f"t{i + 1}").cpu(), want):
             bad.append(f"transfer {i + 1}: the checked take differs")
+        if i != POISONED:                # the take that waits for nothing: its checks after the use
+            rows, landed = ch.take_later(i + 1, timeout_s=30, field=f"t{i + 1}")
+            copy = rows.clone()                               # a use on the caller's stream
+            torch.cuda.current_stream().synchronize()
+            landed()
+            if not torch.equal(copy.cpu(), want):
+                bad.append(f"transfer {i + 1}: take_later differs")
     from services.bridge.rows import ContractError
+    rows, landed = ch.take_later(POISONED + 1, timeout_s=30, field="poisoned")
+    try:
+        landed()
+        bad.append("a frame holding a NaN passed take_later's check")
+    except ContractError as e:
+        if "poisoned holds non-finite values (NaN or inf) in 1 of 64 rows, first at row 5" not in str(e):
+            bad.append(f"take_later's check: {e}")
     try:
         ch.take(POISONED + 1, timeout_s=30, field="poisoned")
         bad.append("a frame holding a NaN passed the checked take")

@@ -21,7 +21,10 @@ CUDA IPC and shared host memory push: nothing is ever posted, so the target copi
 its slot of a ring in shared device (ipc.py) or host memory (shm.py, two CPU processes of one host) as it
 sends it, and the draft copies it out when it asks, without a round trip (ipc.py has the ordering
 invariants). A transfer overwritten before it was taken is reported
-gone (LookupError), never returned with another transfer's rows.
+gone (LookupError), never returned with another transfer's rows. On a ring the target pushes the next round's
+Propose before the rows it names (services/target/server.py), so the draft's take_later waits for a transfer
+its slot does not hold yet (up to RING_WAIT_S); on the CUDA IPC ring it queues the copy and the finiteness
+check without a host sync and checks both once the Propose's compute is done (one sync for the whole call).
 
 Handshake and generations (how the two ends find each other, and again after either restarts):
 generations.py; link.py holds one generation's transport.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -47,6 +51,7 @@ PARK_MAX_BYTES = 1 << 30                          # rows parked at once, at most
 RINGS_SENT = (IpcSender, ShmSender)               # transports that push frames into a ring (no pulls)
 RINGS_TAKEN = (IpcReceiver, ShmReceiver)
 RING_NAMES = {"ipc": "CUDA IPC", "shm": "shared-memory"}
+RING_WAIT_S = 1.0                                 # take_later: a transfer not yet in its ring slot is waited for
 
 
 class RowChannel(Generations):
@@ -69,6 +74,12 @@ class RowChannel(Generations):
         """Whether the agreed transport can carry rows [N, D] (an IPC slot is bounded; others are not)."""
         ring = self._link.ipc if self._link is not None else None
         return not isinstance(ring, RINGS_SENT) or ring.fits(rows.numel() * rows.element_size())
+
+    @property
+    def pushes(self) -> bool:
+        """Whether the agreed transport is a ring (the draft's take_later waits for a transfer not yet pushed;
+        a pull must find its rows parked already)."""
+        return self._link is not None and isinstance(self._link.ipc, RINGS_SENT)
 
     def send(self, transfer_id: int, rows: torch.Tensor) -> None:
         """Make rows [N, D] of transfer_id available to the draft; returns at once. NCCL / gloo park
@@ -121,22 +132,42 @@ class RowChannel(Generations):
         """The rows of `transfer_id` [N, D] (IPC: from its ring slot; else pulled); LookupError when the
         target no longer holds them, TimeoutError if it does not answer (the draft then joins again). `field`:
         the rows are checked finite (rows.check_finite names it), on the IPC ring before the take's one sync."""
+        return self._take(transfer_id, timeout_s, field, later=False)[0]
+
+    def take_later(self, transfer_id: int, timeout_s: float,
+                   field: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """take() without waiting for the rows: on a ring a transfer not yet pushed is waited for (up to
+        RING_WAIT_S: the target pushes the next round's Propose before the rows it names), and on the CUDA IPC
+        ring the copy and the finiteness check are queued, the caller's stream made to wait for them. -> (rows,
+        landed): on the CUDA IPC ring landed() raises what take() would have (LookupError: overwritten before it
+        was copied; ContractError: not finite), to be called once the caller has synchronized past the rows'
+        use; elsewhere the rows were checked already (landed None)."""
+        return self._take(transfer_id, timeout_s, field, later=True)
+
+    def _take(self, transfer_id: int, timeout_s: float, field: str | None, later: bool):
         if self.error or not self._ready.wait(timeout_s) or self.error:    # a failed channel answers at once
             raise TimeoutError("hidden rows bridge not connected" + (f": {self.error}" if self.error else ""))
         with self._lock:                              # one pull at a time, in order
             link = self._link
             if link is None:
                 raise TimeoutError("hidden rows bridge not connected (joining again)")
-            flag = []
-            if isinstance(link.ipc, RINGS_TAKEN):
-                got = link.ipc.take(transfer_id, self._stream, (
-                    lambda out, code: flag.append(finite_flag(_typed(out, PB_TO_DTYPE[code])))) if field else None)
+            flag, whole = [], None
+            ring = link.ipc if isinstance(link.ipc, RINGS_TAKEN) else None
+            if isinstance(ring, IpcReceiver):
+                check = (lambda out, code: flag.append(finite_flag(_typed(out, PB_TO_DTYPE[code])))) if field \
+                    else None
+                got = ring.take(transfer_id, self._stream, check, RING_WAIT_S if later else 0.0, sync=not later)
+                if got is not None and later:
+                    payload, code, whole = got
+                    got = payload, code
+                    torch.cuda.current_stream(payload.device).wait_stream(self._stream)   # the copy, then the use
+            elif ring is not None:
+                got = ring.take(transfer_id, wait_s=RING_WAIT_S if later else 0.0)
             else:
                 n_rows, row_bytes, code, payload = self._pull(link, transfer_id, timeout_s)
-        if isinstance(link.ipc, RINGS_TAKEN):
+        if ring is not None:
             if got is None:
-                raise LookupError(f"hidden rows transfer {transfer_id} is not in its {link.transport} ring slot "
-                                  f"(overwritten by a later transfer, or never sent)")
+                raise LookupError(_gone(transfer_id, link.transport))
             payload, code = got
             if payload.is_cuda:
                 payload.record_stream(torch.cuda.current_stream(payload.device))
@@ -144,9 +175,18 @@ class RowChannel(Generations):
         else:
             dtype = PB_TO_DTYPE[code]
             rows = payload.view(dtype).reshape(n_rows, row_bytes // dtype.itemsize).to(self.device)
-        if field:
-            check_finite(rows, field, flag[0] if flag else None)
-        return rows
+
+        def landed() -> None:
+            if whole is not None:
+                self._stream.synchronize()            # done already where the caller synchronized past the use
+                if not whole():
+                    raise LookupError(_gone(transfer_id, link.transport))
+            if field:
+                check_finite(rows, field, flag[0] if flag else None)
+        if whole is None:                             # taken whole (synchronized, or no GPU ring): checked now
+            landed()
+            return rows, None
+        return rows, landed
 
     def _pull(self, link: Link, transfer_id: int, timeout_s: float):
         """Ask the target for a transfer and receive its frame (under the lock). A pull that fails other
@@ -181,6 +221,11 @@ class RowChannel(Generations):
 
     def discard(self, transfer_id: int) -> None:
         """Receiver side: nothing to free (NCCL / gloo move rows only when pulled; an IPC slot is reused)."""
+
+
+def _gone(transfer_id: int, transport: str) -> str:
+    return (f"hidden rows transfer {transfer_id} is not in its {transport} ring slot (overwritten by a later "
+            "transfer, or never sent)")
 
 
 def _typed(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import time
 import uuid
 from multiprocessing import resource_tracker, shared_memory
 
@@ -76,6 +77,19 @@ class SlotHeaders:
 
     def tid(self, slot: int) -> int:
         return int(self.table[slot, 0])
+
+    def wait(self, slot: int, tid: int, wait_s: float) -> tuple[int, int, int] | None:
+        """Transfer tid's header -> (rows, bytes per row, dtype code); None when the slot holds a later transfer
+        (tid is gone), or still an earlier one (or a frame being written) after wait_s: a Propose the target
+        pushes a round ahead reaches the draft before the rows it names (services/bridge/channel.py)."""
+        deadline = time.perf_counter() + wait_s
+        while True:
+            seen, n_rows, row_bytes, code = self.read(slot)
+            if seen == tid:
+                return n_rows, row_bytes, code
+            if seen > tid or time.perf_counter() >= deadline:
+                return None
+            time.sleep(0)                             # the sender publishes within microseconds of its push
 
     def close(self) -> None:
         if self.table is None:
@@ -169,14 +183,17 @@ class IpcReceiver:
     def answer(self) -> str:
         return json.dumps({"read": [_hex(e.ipc_handle()) for e in self.read]})
 
-    def take(self, tid: int, stream: torch.cuda.Stream, then=None):
+    def take(self, tid: int, stream: torch.cuda.Stream, then=None, wait_s: float = 0.0, sync: bool = True):
         """-> (rows [N, bytes per row] uint8, dtype code), or None when transfer `tid` is not (or no
-        longer) in its slot. Synchronizes `stream`: the rows are complete when returned; then(rows, code), if
-        given, enqueues more work on the stream before that one sync."""
+        longer) in its slot (not yet there: waited for up to wait_s). Synchronizes `stream`: the rows are
+        complete when returned; then(rows, code), if given, enqueues more work on the stream before that one
+        sync. sync False: nothing waits; -> (rows, code, whole), whole() saying, once the stream's work is done,
+        whether the slot still held the transfer when it was copied out."""
         slot = tid % self.slots
-        seen, n_rows, row_bytes, code = self.headers.read(slot)
-        if seen != tid:
+        header = self.headers.wait(slot, tid, wait_s)
+        if header is None:
             return None
+        n_rows, row_bytes, code = header
         stream.wait_event(self.written[slot])
         with torch.cuda.stream(stream):
             start = slot * self.slot_bytes
@@ -184,8 +201,11 @@ class IpcReceiver:
             self.read[slot].record(stream)
             if then is not None:
                 then(out, code)
+        whole = lambda: self.headers.tid(slot) == tid         # ids only grow: still tid now, so when copied
+        if not sync:
+            return out, code, whole
         stream.synchronize()
-        return (out, code) if self.headers.tid(slot) == tid else None    # overwritten meanwhile: gone
+        return (out, code) if whole() else None               # overwritten meanwhile: gone
 
     def close(self) -> None:
         self.headers.close()

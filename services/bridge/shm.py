@@ -109,13 +109,14 @@ class ShmReceiver:
     def answer(self) -> str:
         return json.dumps({"mapped": self.shm.name})
 
-    def take(self, tid: int, stream=None, then=None):     # then: IpcReceiver.take's (CUDA only, unused here)
+    def take(self, tid: int, stream=None, then=None, wait_s: float = 0.0):   # then: IpcReceiver.take's (CUDA only)
         """-> (rows [N, bytes per row] uint8, dtype code), or None when transfer `tid` is not (or no longer)
-        in its slot."""
+        in its slot (not yet there: waited for up to wait_s)."""
         slot = tid % self.slots
-        seen, n_rows, row_bytes, code = self.headers.read(slot)
-        if seen != tid:
+        header = self.headers.wait(slot, tid, wait_s)
+        if header is None:
             return None
+        n_rows, row_bytes, code = header
         start = slot * self.slot_bytes
         out = self.buf[start:start + n_rows * row_bytes].view(n_rows, row_bytes).clone()
         return (out, code) if self.headers.tid(slot) == tid else None          # overwritten meanwhile: gone

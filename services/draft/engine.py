@@ -50,6 +50,7 @@ class DraftEngine:
         self.noise: dict[str, list[int]] = {}     # sampled requests: [seed, draws so far] (kernels/noise.py)
         self.tokens: dict[str, list[int]] = {}   # prefix caching: every token given (names full blocks)
         self.not_held: set[str] = set()          # new requests of the last Propose it could not take
+        self.unsealed: list[str] = []            # requests of the last Propose whose blocks seal() has not sealed
         self.q_mass = DRAFT_Q_MASS               # sampled drafts: from q's top tokens of this mass (1: all of q)
 
     def graphs_enabled(self, warmup_batch: int = 0) -> None:
@@ -88,16 +89,18 @@ class DraftEngine:
         return out
 
     @torch.inference_mode()
-    def propose(self, items: list[ProposeItem], rows: dict[str, torch.Tensor]):
+    def propose(self, items: list[ProposeItem], rows: dict[str, torch.Tensor], seal: bool = True):
         """rows: request id -> target hidden rows [n_r, D] (already contract-checked)
-        -> per item (draft ids [k], draft probs: None (greedy), TopQ (q_mass < 1) or [k, V])."""
+        -> per item (draft ids [k], draft probs: None (greedy), TopQ (q_mass < 1) or [k, V]).
+        seal False: the committed blocks go to the prefix cache only when seal() is called (rows whose bridge
+        checks run after the compute: services/draft/server.py)."""
         for it in items:
             bad = [t for t in it.new_token_ids if t >= self.vocab_size]
             if bad:
                 raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: new_token_ids holds "
                                    f"token id {bad[0]}, vocab_size is {self.vocab_size}")
         fresh = [it.request_id for it in items if it.request_id not in self.committed]
-        self.not_held, start = set(), {}
+        self.not_held, self.unsealed, start = set(), [], {}
         for it in items:
             if it.request_id in fresh:
                 start[it.request_id] = self._start(it)
@@ -121,25 +124,40 @@ class DraftEngine:
                                     torch.cat([rows[ids[b]] for b in active]), step=0)
                 for b in active:
                     self.committed[ids[b]] = self.cache.length(ids[b])
-                    self.cache.seal(ids[b], self.tokens[ids[b]], self.committed[ids[b]])
+                self.unsealed = [ids[b] for b in active]
                 ends = torch.tensor(list(accumulate(len(toks[b]) for b in active))) - 1   # not waiting on step 0:
-                last = dict(zip(active, hidden[ends.to(hidden.device, non_blocking=True)]))   # b -> MTP hidden [D]
+                last = hidden[ends.to(hidden.device, non_blocking=True)]    # [len(active), D] each one's MTP hidden
                 live = [b for b in active if k[b] > 0]
+                if live and len(live) < len(active):                         # (rows as they are when all draft)
+                    keep = torch.tensor([i for i, b in enumerate(active) if k[b] > 0])
+                    last = last[keep.to(last.device, non_blocking=True)]
                 if not (live and self._chain(live, last, ids, k, drafts, probs)):
-                    self._loop(live, last, ids, k, drafts, probs)
+                    self._loop(live, dict(zip(live, last)), ids, k, drafts, probs)
         except CacheFullError as e:
             raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
+        finally:
+            if seal:
+                self.seal()
         return [(d, _stacked(p)) for d, p in zip(drafts, probs)]
 
-    def _chain(self, live: list[int], last: dict, ids: list[str], k: list[int], drafts: list, probs: list) -> bool:
-        """Steps 2..k in one replay (chain.py); False when there is no chain or the round does not fit it."""
+    def seal(self) -> None:
+        """The last Propose's committed blocks into the prefix cache (models/prefix_cache.py)."""
+        for rid in self.unsealed:
+            if rid in self.committed:
+                self.cache.seal(rid, self.tokens[rid], self.committed[rid])
+        self.unsealed = []
+
+    def _chain(self, live: list[int], last: torch.Tensor, ids: list[str], k: list[int], drafts: list,
+               probs: list) -> bool:
+        """Steps 2..k in one replay (chain.py) from live's MTP hidden rows last [len(live), D]; False when there
+        is no chain or the round does not fit it."""
         if self.chain is None:
             return False
         rids = [ids[b] for b in live]
         samplings = [self.sampling[r] for r in rids]
         sampled = None if all(s.greedy for s in samplings) else [
             (s, *(tuple(self.noise[r]) if not s.greedy else (0, 0))) for r, s in zip(rids, samplings)]
-        got = self.chain.run(rids, torch.stack([last[b] for b in live]), [k[b] for b in live], sampled, self.q_mass)
+        got = self.chain.run(rids, last, [k[b] for b in live], sampled, self.q_mass)
         if got is None:
             return False
         toks, q = got

@@ -33,7 +33,8 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
         self.hidden_size = group.engine.model.cfg.hidden_size
 
     def _item(self, it) -> ProposeItem:
-        sampling = Sampling.from_pb(it.request_id, it.sampling)
+        # (a Propose pushed a round ahead names no sampling: its requests run, the draft holds theirs)
+        sampling = Sampling.from_pb(it.request_id, it.sampling) if it.HasField("sampling") else Sampling()
         if it.num_draft_tokens > self.cfg.max_draft_tokens:
             raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: num_draft_tokens is "
                                f"{it.num_draft_tokens}, this draft proposes at most {self.cfg.max_draft_tokens} "
@@ -41,9 +42,11 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
         return ProposeItem(it.request_id, list(it.new_token_ids), it.num_draft_tokens, sampling, it.position,
                            it.cached_tokens)
 
-    def _gather_rows(self, request, expected: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Check every row set against `expected` before touching it; -> request id -> rows [n, D]."""
+    def _gather_rows(self, request, expected: dict[str, int]) -> tuple[dict[str, torch.Tensor], list]:
+        """Check every row set against `expected` before touching it; -> (request id -> rows [n, D], the bridge
+        takes' landed() checks: RowChannel.take_later, to run once the Propose's compute is done)."""
         out: dict[str, torch.Tensor] = {}
+        landed = []
         dtype = self.engine.model.lm_head.weight.dtype
         where = {it.request_id: it.rows_set for it in request.items}     # 1-based; 0: the set naming it
         for rid, n in where.items():
@@ -64,8 +67,10 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
                     if self.channel is None:
                         raise ServiceError("FAILED_PRECONDITION", "rows sent on the bridge, but this draft "
                                            "runs with --hidden-transport inline")
-                    rows = self.channel.take(desc.transfer_id, self.cfg.bridge_timeout_s,
-                                             f"hidden_rows[{i}] (bridge transfer {desc.transfer_id})")   # finite
+                    rows, taken = self.channel.take_later(desc.transfer_id, self.cfg.bridge_timeout_s,
+                                                          f"hidden_rows[{i}] (bridge transfer {desc.transfer_id})")
+                    if taken is not None:             # (the CUDA IPC ring: checked after the compute)
+                        landed.append(taken)
                     check_payload(desc, rows)
             except TimeoutError as e:
                 raise ServiceError("UNAVAILABLE", str(e)) from None
@@ -84,7 +89,7 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
         if missing:
             raise ServiceError("INVALID_ARGUMENT", f"hidden rows contract: request {missing[0]!r} needs "
                                f"{expected[missing[0]]} rows and no hidden row set names it")
-        return out
+        return out, landed
 
     def Propose(self, request, context):
         try:
@@ -117,10 +122,15 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
             expected = self.engine.expected_rows(items)
             t0 = time.perf_counter()
             with tracing.span("draft.transfer", rows=sum(expected.values())):
-                rows = self._gather_rows(request, expected)
+                rows, landed = self._gather_rows(request, expected)
             transfer_s = time.perf_counter() - t0
             with tracing.span("draft.propose", requests=len(items)):
-                results = self.group.call(DraftEngine.propose, items, rows)
+                # rows taken without a wait (the copy queued before the compute): their checks once it is done,
+                # then the round's blocks go to the prefix cache
+                results = self.group.call(DraftEngine.propose, items, rows, not landed)
+                if landed:
+                    _landed(landed)
+                    self.group.call(DraftEngine.seal)
                 not_held = [it.request_id in self.engine.not_held for it in items]
             done = time.perf_counter()
         return draft_pb2.ProposeResponse(results=[_result(d, q, n) for (d, q), n in zip(results, not_held)],
@@ -140,6 +150,17 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
 
     def running(self) -> int:
         return len(self.engine.committed)
+
+
+def _landed(checks: list) -> None:
+    """The rows' bridge checks, after the compute that used them: a frame overwritten before it was copied is
+    NOT_FOUND (the gateway re-syncs these requests: what they computed is dropped), non-finite rows the
+    contract's INVALID_ARGUMENT; the round's blocks were not given to the prefix cache."""
+    try:
+        for check in checks:
+            check()
+    except LookupError as e:
+        raise ServiceError("NOT_FOUND", str(e)) from None
 
 
 def _result(drafts: list[int], q, not_held: bool) -> draft_pb2.ProposeResult:

@@ -69,8 +69,15 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
                         "only)", cfg.synthetic_acceptance)
 
     def _rows(self, want: bool, transport: int, request_ids, rows_per_request, rows) -> rows_pb2.HiddenRows | None:
+        desc, push = self._describe(want, transport, request_ids, rows_per_request, rows)
+        if push is not None:
+            push()
+        return desc
+
+    def _describe(self, want: bool, transport: int, request_ids, rows_per_request, rows):
+        """-> (the rows' descriptor or None, None or push(): sends them on the bridge)."""
         if not want:
-            return None
+            return None, None
         use_bridge = transport != rows_pb2.TRANSPORT_INLINE and self.channel is not None and self.channel.ready
         if use_bridge and not self.channel.fits(rows):  # over a CUDA IPC slot (--bridge-ipc-mib / 8): inline
             log.warning("hidden rows of %d bytes (%d rows) exceed a CUDA IPC slot of the bridge (%d MiB over 8 "
@@ -78,12 +85,13 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
                         rows.shape[0], self.cfg.bridge_ipc_mib)
             use_bridge = False
         if not use_bridge:
-            return describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_INLINE)
+            return describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_INLINE), None
         tid = next(self._transfer_ids)
-        desc = describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_BRIDGE, tid)
-        with tracing.span("target.send_rows", rows=int(rows.shape[0]), transfer_id=tid):
-            self.channel.send(tid, rows)
-        return desc
+
+        def push():
+            with tracing.span("target.send_rows", rows=int(rows.shape[0]), transfer_id=tid):
+                self.channel.send(tid, rows)
+        return describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_BRIDGE, tid), push
 
     def _guard(self, context, fn):
         try:
@@ -162,10 +170,15 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             compute_s = time.perf_counter() - t0
             if isinstance(pre, ServiceError):
                 pre, refused = None, target_pb2.CallStatus(code=grpc.StatusCode[pre.code].value[0], message=str(pre))
-            desc = self._rows(request.return_hidden_rows, request.transport, [i[0] for i in items],
-                              [a + 1 for a in res.accepted], res.rows)
+            desc, push = self._describe(request.return_hidden_rows, request.transport, [i[0] for i in items],
+                                        [a + 1 for a in res.accepted], res.rows)
+            if push is not None and not (request.HasField("ahead") and self.channel.pushes):
+                push()                                  # parked before the draft can ask (a pull must find them)
+                push = None
             sent = request.HasField("ahead") and self.ahead.send(     # the next round's Propose, to the draft now
                 request.ahead, {i[0]: t for i, t in zip(items, res.emitted)}, desc)
+            if push is not None:                        # into their ring slot while the draft reads its Propose
+                push()
             results = [target_pb2.VerifyResult(num_accepted=a, emitted_token_ids=t,
                                                logprobs=[logprob_pb(x) for x in lp])
                        for a, t, lp in zip(res.accepted, res.emitted, res.logprobs or [[] for _ in items])]
