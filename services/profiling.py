@@ -3,7 +3,8 @@ what it saw, to find where a served step's time goes beside its in-process twin 
 
 TANDEM_PROFILE_CALLS=SKIP,COUNT (default 50,20): calls SKIP + 1 .. SKIP + COUNT of each streamed method are
 recorded, each marked on the timeline by a record_function named after the method, with the idle time between
-them. After the last one the service writes DIR/<method>-<pid>.json.gz (a Chrome trace: host and device on one
+them. Once as many calls have ended as the window's last (calls of one method may overlap: a draft's pushed
+Propose and its collect) the service writes DIR/<method>-<pid>.json.gz (a Chrome trace: host and device on one
 timeline) and DIR/<method>-<pid>.txt (operators by device time). Without the variable nothing is imported.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import gzip
 import os
 import shutil
 import tempfile
+import threading
 
 DIR = os.environ.get("TANDEM_PROFILE_DIR", "")
 _windows: dict[str, "_Window"] = {}
@@ -23,10 +25,13 @@ class _Window:
         skip, count = (int(x) for x in os.environ.get("TANDEM_PROFILE_CALLS", "50,20").split(","))
         self.name = method.rsplit("/", 1)[-1]
         self.first, self.last, self.calls, self.prof = skip + 1, skip + count, 0, None
+        self.ended, self.lock = 0, threading.Lock()   # calls of one method may overlap (a pushed Propose, a collect)
 
     def begin(self) -> None:
-        self.calls += 1
-        if self.calls == self.first:
+        with self.lock:
+            self.calls += 1
+            first = self.calls == self.first
+        if first:
             import torch
             acts = [torch.profiler.ProfilerActivity.CPU] + (
                 [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -34,9 +39,11 @@ class _Window:
             self.prof.__enter__()
 
     def end(self) -> None:
-        if self.prof is None or self.calls != self.last:
-            return
-        prof, self.prof = self.prof, None
+        with self.lock:
+            self.ended += 1
+            if self.prof is None or self.ended < self.last:   # written once as many calls have ended as began
+                return                                        # by the window's last
+            prof, self.prof = self.prof, None
         prof.__exit__(None, None, None)
         os.makedirs(DIR, exist_ok=True)
         base = os.path.join(DIR, f"{self.name}-{os.getpid()}")
