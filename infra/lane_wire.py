@@ -8,6 +8,8 @@ A frame is a header (payload bytes: uint32 little-endian, kind: uint8) and the p
     REQUEST   client -> service: the method's request message (protobuf)
     RESPONSE  service -> client: the response message (protobuf; empty after HELLO)
     ERROR     service -> client: "<grpc.StatusCode name>\\n<details>" (utf-8), instead of a RESPONSE
+    PUSH      client -> service: a request nobody answers (the target's Propose pushed a round ahead: its outcome
+              waits in the draft for the gateway's collect, services/draft/ahead.py); a failure is logged there
 
 Each REQUEST gets one RESPONSE or ERROR, in order; after an ERROR the connection stays usable, as every
 failure is a whole answer. The socket's name is abstract (Linux: no file, gone with the process, reachable
@@ -20,7 +22,7 @@ import socket
 import struct
 
 HEADER = struct.Struct("<IB")       # payload bytes, kind
-HELLO, REQUEST, RESPONSE, ERROR = 1, 2, 3, 4
+HELLO, REQUEST, RESPONSE, ERROR, PUSH = 1, 2, 3, 4, 5
 RDHUP = getattr(select, "POLLRDHUP", 0)    # Linux: the peer shut its side (elsewhere POLLHUP alone tells)
 
 

@@ -3,9 +3,9 @@
 gRPC hands each message of a stream from its completion-queue thread to the stream's handler thread: two
 threads that sleep between rounds wake for every call, each after 0.1-0.4 ms on the hosts measured (BENCHMARKS.md
 "The hops of a call"). Here one thread a connection reads the request, runs the same unary handler and writes
-the answer; between calls it spins for `spin_s` (a GPU service: its host has cores to spare, and the next call
-comes within a round) before it blocks in the kernel. The handler sees a context with the gRPC methods the
-services use (abort, code, is_active, time_remaining), so it runs unchanged.
+the answer (a PUSH is run and not answered); between calls it spins for `spin_s` (a GPU service: its host has
+cores to spare, and the next call comes within a round) before it blocks in the kernel. The handler sees a
+context with the gRPC methods the services use (abort, code, is_active, time_remaining), so it runs unchanged.
 """
 from __future__ import annotations
 
@@ -125,7 +125,11 @@ class LaneServer:
                 if got is None:
                     return
                 answer, request = self._answer(conn, *got)
-                conn.sendall(answer)
+                if got[0] != wire.PUSH:
+                    conn.sendall(answer)
+                elif answer and wire.HEADER.unpack_from(answer)[1] == wire.ERROR:    # nobody reads it: said here
+                    log.warning("%s: a pushed call failed: %s", self.method,
+                                ": ".join(wire.parse_error(answer[wire.HEADER.size:])))
                 spin = self.spin_s if request is None or self.spin_after(request) else 0.0
         except OSError as e:                  # the gateway went away while it was answered: its call is gone
             log.debug("%s lane: %s", self.method, e)
@@ -133,12 +137,13 @@ class LaneServer:
             conn.close()
 
     def _answer(self, conn: socket.socket, kind: int, payload: bytes) -> tuple[bytes, object]:
-        """One REQUEST -> (its RESPONSE or ERROR frame, as the gRPC stream would have answered
+        """One REQUEST or PUSH -> (its RESPONSE or ERROR frame, as the gRPC stream would have answered
         (services/servicer.py), the request or None where it did not parse)."""
         received = time.perf_counter()
-        if kind != wire.REQUEST:
+        if kind not in (wire.REQUEST, wire.PUSH):
             return wire.frame(wire.ERROR, wire.error_payload("INVALID_ARGUMENT", f"a lane frame of kind {kind}, "
-                                                             f"expected a request ({wire.REQUEST})")), None
+                                                             f"expected a request ({wire.REQUEST}) or a push "
+                                                             f"({wire.PUSH})")), None
         try:
             request = self.request_cls.FromString(payload)
         except Exception as e:                # protobuf's DecodeError

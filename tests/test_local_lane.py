@@ -225,3 +225,48 @@ def test_a_lane_spins_only_after_calls_whose_next_is_urgent():
             sys.setswitchinterval(switch)
     assert idle_cpu(False) < 0.05
     assert idle_cpu(True) > 0.1
+
+
+def test_a_push_is_run_and_not_answered(caplog):
+    """A PUSH frame (the target's Propose pushed a round ahead: services/target/ahead.py) runs the call and writes
+    nothing back: the first frame on the socket after two pushes is the next REQUEST's answer. A push that fails
+    is logged by the lane (nobody reads an answer), and a frame of another kind is still refused."""
+    ran = []
+
+    def call(req, ctx, received):
+        ran.append(req.items[0].request_id if req.items else "")
+        if ran[-1] == "boom":
+            raise RuntimeError("the kernel fell over")
+        return target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(num_accepted=len(ran))])
+
+    lane = LaneServer("tandem.v1.TargetService/Verify", target_pb2.VerifyRequest, call)
+    one = lambda rid: target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(request_id=rid)]).SerializeToString()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(wire.address(lane.name))
+            s.sendall(wire.frame(wire.HELLO, lane.method.encode()))
+            assert wire.HEADER.unpack(s.recv(wire.HEADER.size)) == (0, wire.RESPONSE)
+            s.sendall(wire.frame(wire.PUSH, one("a")) + wire.frame(wire.PUSH, one("boom"))
+                      + wire.frame(wire.REQUEST, one("c")))
+            n, kind = wire.HEADER.unpack(s.recv(wire.HEADER.size))
+            answer = target_pb2.VerifyResponse.FromString(s.recv(n))
+            s.sendall(wire.frame(9, b""))
+            n, refused = wire.HEADER.unpack(s.recv(wire.HEADER.size))
+            code, details = wire.parse_error(s.recv(n))
+    finally:
+        lane.close()
+    assert ran == ["a", "boom", "c"]
+    assert kind == wire.RESPONSE and answer.results[0].num_accepted == 3
+    assert refused == wire.ERROR and code == "INVALID_ARGUMENT" and "kind 9" in details
+    assert any("a pushed call failed" in r.message and "the kernel fell over" in r.message for r in caplog.records)
+
+
+def test_the_draft_lane_spins_only_after_a_propose_the_gateway_sent():
+    """A draft's lane polls without sleeping only after a Propose the gateway sent itself: after a push (the next
+    is a round away) a spinning reader would take the GIL back from the thread that answers the gateway's collect
+    as the push's drafts are done, and after a collect the next call waits for a push anyway."""
+    from services.draft.server import DraftServicer
+    from tandem.v1 import draft_pb2
+    spins = lambda **kw: DraftServicer.lane_spins_after(None, draft_pb2.ProposeRequest(**kw))
+    assert spins() and not spins(ahead_id="g-1-ahead") and not spins(collect_ahead_id="g-1-ahead")

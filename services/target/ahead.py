@@ -3,18 +3,18 @@
 gateway and the gateway plans; the gateway collects the drafts (ProposeRequest.collect_ahead_id).
 
 The Propose goes on the draft's local lane (services/lane.py, frames: infra/lane_wire.py), named by the gateway,
-which reaches both services' lanes and so shares their host and network namespace. The target only writes it:
-a thread drains the draft's answers (empty ones; a failure is kept by the draft for the collect). A lane that
-does not connect, or a write that fails, is reported (VerifyResponse.ahead_sent false) and the gateway sends
-that Propose itself; a lane that did not connect is not tried again (a restarted draft announces a new one).
-Its connection stays open: closing it with a push not yet read would drop that push (a lane does not run a call
-whose caller has gone), and the gateway's collect would wait for it in vain.
+which reaches both services' lanes and so shares their host and network namespace. The target only writes it, as
+a PUSH frame, which the draft does not answer (its outcome, a failure too, is kept for the collect): no thread of
+the target wakes when the draft is done, just as the Verify's next call is due. A lane that does not connect, or a
+write that fails, is reported (VerifyResponse.ahead_sent false) and the gateway sends that Propose itself; a lane
+that did not connect is not tried again (a restarted draft announces a new one). Its connection stays open:
+closing it with a push not yet read would drop that push (a lane does not run a call whose caller has gone), and
+the gateway's collect would wait for it in vain.
 """
 from __future__ import annotations
 
 import logging
 import socket
-import threading
 
 from infra import lane_wire as wire
 from infra.errors import ServiceError
@@ -68,7 +68,7 @@ class AheadSender:
         if sock is None and (lane in self.unreachable or (sock := self._connect(lane)) is None):
             return False
         try:
-            sock.sendall(wire.frame(wire.REQUEST, request.SerializeToString()))
+            sock.sendall(wire.frame(wire.PUSH, request.SerializeToString()))
         except OSError as e:
             log.warning("the draft's lane %s broke (%s): the gateway sends its Propose itself", lane, e)
             _close(sock)
@@ -96,7 +96,6 @@ class AheadSender:
             log.warning("the draft's lane %s is not reachable from the target (%s): the gateway sends the next "
                         "round's Propose itself", name, e)
             return None
-        threading.Thread(target=_drain, args=(sock,), name="ahead-drain", daemon=True).start()
         log.info("next rounds' Proposes go to the draft's lane %s", name)
         return sock
 
@@ -109,31 +108,12 @@ def _close(sock: socket.socket) -> None:
     sock.close()
 
 
-def _recv(sock: socket.socket, n: int, wait: bool = False) -> bytes | None:
-    """n bytes (None: the peer closed). The socket's timeout bounds each read unless `wait` (the drain)."""
+def _recv(sock: socket.socket, n: int) -> bytes | None:
+    """n bytes (None: the peer closed); the socket's timeout bounds each read."""
     buf = b""
     while len(buf) < n:
-        try:
-            got = sock.recv(n - len(buf))
-        except TimeoutError:
-            if wait:
-                continue
-            raise
+        got = sock.recv(n - len(buf))
         if not got:
             return None
         buf += got
     return buf
-
-
-def _drain(sock: socket.socket) -> None:
-    """Read the draft's answers to the pushes (empty; an ERROR is a push the lane could not even parse)."""
-    try:
-        while (head := _recv(sock, wire.HEADER.size, wait=True)) is not None:
-            n, kind = wire.HEADER.unpack(head)
-            payload = _recv(sock, n, wait=True) if n else b""
-            if payload is None:
-                return
-            if kind == wire.ERROR:
-                log.warning("the draft's lane refused a pushed Propose: %s", wire.parse_error(payload))
-    except OSError:
-        return
