@@ -240,6 +240,14 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], path: str | Path, max_shar
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
+def fp8_weight_names(cfg: ModelConfig) -> set[str]:
+    """Checkpoint names of the weights a model of cfg keeps in fp8 (quantization fp8), its MTP layer's too (built
+    on the meta device: no memory)."""
+    from models.model import DraftModel, TargetModel
+    models = [build(cls, cfg.quantized("fp8"), SINGLE, torch.bfloat16, "meta") for cls in (TargetModel, DraftModel)]
+    return {n.removesuffix("_scale_inv") for n in checkpoint_tensors(*models) if n.endswith("_scale_inv")}
+
+
 def checkpoint_tensors(*models: torch.nn.Module) -> dict[str, torch.Tensor]:
     """State of single-rank models under their checkpoint names (first candidate), deduplicated."""
     out = {}

@@ -80,6 +80,7 @@ class TrainConfig:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     compile: bool = False
     depth_init: bool = False                  # set by --edition
+    export_fp8: bool = False                  # the export in DeepSeek's fp8 block format (train_model.export)
 
 
 def model_config(c: TrainConfig) -> dict:
@@ -212,7 +213,7 @@ def main(argv: list[str]) -> int:
     if best is not None and evaluate(target, draft, held_ids, c, c.eval_seqs)["loss"] > best_loss:
         target.load_state_dict(best[0][0]), draft.load_state_dict(best[0][1])
         chosen = best[1]
-    final, ckpt_bytes = evaluate(target, draft, held_ids, c, 0, nbytes), export(target, draft, cfg_raw, out)
+    final, ckpt_bytes = evaluate(target, draft, held_ids, c, 0, nbytes), export(target, draft, cfg_raw, out, c.export_fp8)
     cuda = c.device.startswith("cuda")
     log = dict(steps=run["step"], tokens_seen=run["tokens"], epochs=run["tokens"] / train_ids.numel(),
                exported_step=chosen["step"], final_train_loss=chosen["train_loss"],

@@ -20,9 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from models.config import ModelConfig
-from models.loader import build, checkpoint_tensors, save_checkpoint
+from kernels.fp8 import quantize_weight
+from models.loader import build, checkpoint_tensors, fp8_weight_names, save_checkpoint
 from models.model import DraftModel, TargetModel
 from models.moe import MoE
+from models.presets import FP8 as FP8_FORMAT
 from models.tiny import init_random_
 from tandem.train_data import EOS, held_windows
 
@@ -119,12 +121,20 @@ def evaluate(target, draft, held: torch.Tensor, c, n_seqs: int, nbytes: torch.Te
                 eval_tokens=int(s["n"]), **chain, **per_byte)
 
 
-def export(target, draft, cfg_raw: dict, out: Path) -> int:
-    # HF layout; the MTP layer's embed_tokens / shared_head.head are left out (the loader falls back)
+def export(target, draft, cfg_raw: dict, out: Path, fp8: bool = False) -> int:
+    """HF layout in bf16; the MTP layer's embed_tokens / shared_head.head are left out (the loader falls back).
+    fp8: the weights an fp8 model keeps in fp8 stored as DeepSeek publishes V3 (e4m3, a weight_scale_inv per
+    128x128 block, config.json's quantization_config), quantized from their bf16 export: the checkpoint is the bf16
+    one as `--quantization fp8` serves it, in about half the bytes. -> bytes written."""
     L = cfg_raw["num_hidden_layers"]
     tensors = {k: v.to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16)
                for k, v in checkpoint_tensors(target, draft).items()
                if k not in (f"model.layers.{L}.embed_tokens.weight", f"model.layers.{L}.shared_head.head.weight")}
+    if fp8:
+        cfg_raw = {**cfg_raw, **FP8_FORMAT}
+        keep = fp8_weight_names(ModelConfig.from_dict(cfg_raw))
+        tensors = dict(itertools.chain.from_iterable(
+            zip((k, k + "_scale_inv"), quantize_weight(v)) if k in keep else [(k, v)] for k, v in tensors.items()))
     [f.unlink() for f in [*out.glob("*.safetensors"), *out.glob("model.safetensors.index.json")]]   # stale shards
     save_checkpoint(tensors, out, max_shard_bytes=(16 << 20) - (64 << 10))   # each file <= 16 MiB with its header
     (out / "config.json").write_text(json.dumps(cfg_raw, indent=1))

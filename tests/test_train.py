@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from models.config import ModelConfig
-from models.loader import load_model
+from models.loader import Checkpoint, load_model
 from models.model import DraftModel, TargetModel
 from models.tiny import CODE_SPLIT
 from tandem import bench_heldout, train, train_model
@@ -124,6 +124,29 @@ def test_train_exports_a_servable_checkpoint(trained):
     assert all(p.stat().st_size <= 16 << 20 for p in trained.glob("*.safetensors"))
     target, draft = (load_model(cls, trained) for cls in (TargetModel, DraftModel))
     assert torch.equal(draft.lm_head.weight, target.lm_head.weight)
+
+
+def test_an_fp8_export_is_the_bf16_export_as_fp8_serving_holds_it(trained, tmp_path):
+    """--export-fp8 (issue 18: more parameters in the same bytes): the weights an fp8 model keeps in fp8 stored in
+    DeepSeek's block format with quantization_config, the rest as the bf16 export; loaded, the checkpoint is the
+    bf16 export loaded with --quantization fp8, tensor for tensor, in fewer bytes."""
+    target, draft = (load_model(cls, trained) for cls in (TargetModel, DraftModel))
+    cfg_raw = json.loads((trained / "config.json").read_text())
+    nbytes = train_model.export(target, draft, cfg_raw, tmp_path, fp8=True)
+    assert ModelConfig.from_file(tmp_path).quantization == "fp8"
+    names = set(Checkpoint(tmp_path).files)
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv" in names
+    assert "model.layers.0.self_attn.q_a_proj.weight_scale_inv" in names
+    assert not {n for n in names if n.endswith("_scale_inv") and ("kv_b_proj" in n or "eh_proj" in n
+                                                                      or "embed" in n or "lm_head" in n)}
+    bf16_bytes = sum(p.stat().st_size for p in trained.glob("*.safetensors"))
+    assert nbytes < 0.75 * bf16_bytes
+    for cls in (TargetModel, DraftModel):
+        got, want = load_model(cls, tmp_path).state_dict(), load_model(cls, trained, quantization="fp8").state_dict()
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            a, b = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (got[k], v))
+            assert a.dtype == b.dtype and torch.equal(a, b), (cls.__name__, k)
 
 
 def test_bench_heldout_matches_the_training_log(trained, tmp_path):
