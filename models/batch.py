@@ -3,15 +3,16 @@ device in one transfer.
 
 `lay_out` writes [input ids N | positions N | slots N | token_request N | context_lens B | query_start B+1 |
 block tables B x W] as int64 (W: the step's widest table), the int32 parts cast on the device. With a `Stage` (a
-CUDA graph bucket's static buffers, models/cuda_graphs.py) the parts are padded to the bucket and land in the
-graph's own input buffers: the padding rows sit at position 0, write the scratch slot and belong to request b - 1
-(a padding request of context 0; with B == b the last real one, of whose keys they read key 0 only); the tables
-go into the stage's [b, max blocks] buffer by one more copy (past a request's context its row holds what an
-earlier step left: never read). The batch's tensors are then views of those buffers, valid until the next step
-of that bucket.
+CUDA graph bucket's static buffers, models/cuda_graphs.py) the parts are padded to the bucket, written typed into
+the stage's pinned host twin and uploaded by one copy into the graph's own input buffer, no cast on the device:
+the padding rows sit at position 0, write the scratch slot and belong to request b - 1 (a padding request of
+context 0; with B == b the last real one, of whose keys they read key 0 only); past a request's table its row
+holds what an earlier step left (never read). The batch's tensors are then views of that buffer, valid until the
+next step of that bucket.
 """
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass, field
 
@@ -94,45 +95,82 @@ def aligned_parts(parts: list[list[int]], multiple: int = 4) -> tuple[torch.Tens
     return torch.frombuffer(flat, dtype=torch.long), starts
 
 
+class TwinBuffer:
+    """Typed parts of ONE device byte buffer with a host twin (pinned with CUDA): a step writes the parts on the host
+    (numpy views, `writable`) and uploads them by one asynchronous copy (`upload`), no cast on the device. Each CUDA
+    call costs tens of microseconds of a round's host time on the H200 hosts measured (BENCHMARKS.md,
+    twenty-seventh session). Parts start 16-byte aligned (Triton compiles a kernel per pointer alignment)."""
+
+    def __init__(self, kinds: list[tuple[torch.dtype, tuple[int, ...]]], device):
+        at = [0]
+        for dtype, shape in kinds:
+            size = dtype.itemsize * math.prod(shape)
+            at.append(at[-1] + -(-size // 16) * 16)
+        device = torch.device(device)
+        self.dev = torch.zeros(at[-1], dtype=torch.uint8, device=device)
+        self.host = torch.zeros(at[-1], dtype=torch.uint8, pin_memory=device.type == "cuda")
+        split = lambda t: [t[a:a + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
+                           for (dtype, shape), a in zip(kinds, at)]
+        self.parts = split(self.dev)                                   # the device views a graph reads
+        self._host = [h.numpy() for h in split(self.host)]
+        self.uploaded = torch.cuda.Event() if device.type == "cuda" else None
+
+    def writable(self) -> list:
+        """The host parts (numpy), once the twin's last upload has run (long since, but in back-to-back steps)."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+        return self._host
+
+    def upload(self) -> None:
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
+
+
+MAX_VIEWS = 256          # step shapes whose device views a Stage keeps
+
+
 @dataclass
 class Stage:
-    """A CUDA graph bucket's input buffers: n tokens of b requests, tables mb wide, on one device. `packed` int64 holds
-    the parts as uploaded (the tables' room is the most a step can send), `small` the token_request | context_lens |
-    query_start parts cast to int32, `tables` the [b, mb] int32 block tables; `rows` the bucket's [n, D] row inputs
-    (the draft's hidden rows)."""
+    """A CUDA graph bucket's input buffers: n tokens of b requests, tables mb wide, on one device, as one TwinBuffer:
+    input ids, positions, slots (int64 [n] each), token_request (int32 [n]), context_lens (int32 [b]), query_start
+    (int32 [b + 1]), block tables (int32 [b, mb]). `rows`: the bucket's [n, D] row inputs (the draft's hidden
+    rows)."""
     n: int
     b: int
     mb: int
     scratch_slot: int
-    packed: torch.Tensor
-    small: torch.Tensor
-    tables: torch.Tensor
+    buf: TwinBuffer
     rows: list = field(default_factory=list)
+    _views: dict = field(default_factory=dict)    # (N, B, w) -> that step's device views (at most MAX_VIEWS kept)
 
     @staticmethod
     def new(n: int, b: int, mb: int, scratch_slot: int, device, rows: list | None = None) -> "Stage":
-        at = _offsets(n, b, b * mb)
-        s = Stage(n, b, mb, scratch_slot, torch.zeros(at[7], dtype=torch.long, device=device),
-                  torch.zeros(at[6] - at[3], dtype=torch.int32, device=device),
-                  torch.zeros(b, mb, dtype=torch.int32, device=device), rows or [])
-        lay_out([], [], [], [], 1, s.packed.device, stage=s)                      # all padding
+        i64, i32 = torch.int64, torch.int32
+        buf = TwinBuffer([(i64, (n,)), (i64, (n,)), (i64, (n,)), (i32, (n,)), (i32, (b,)), (i32, (b + 1,)),
+                          (i32, (b, mb))], device)
+        s = Stage(n, b, mb, scratch_slot, buf, rows or [])
+        lay_out([], [], [], [], 1, device, stage=s)                               # all padding
         return s
 
+    def views(self, N: int, B: int, w: int) -> AttentionBatch:
+        """The device views of a step of N tokens, B requests, tables w wide (made once per shape)."""
+        key = (N, B, w)
+        if key not in self._views:
+            if len(self._views) >= MAX_VIEWS:
+                self._views.clear()
+            ids, pos, slots, req, ctx, qs, tab = self.buf.parts
+            self._views[key] = (ids[:N], pos[:N], slots[:N], req[:N], ctx[:B], qs[:B + 1], tab[:B, :w])
+        ids, pos, slots, req, ctx, qs, tab = self._views[key]
+        return AttentionBatch(input_ids=ids, positions=pos, slot_mapping=slots, token_request=req, context_lens=ctx,
+                              query_start=qs, block_tables=tab, query_lens=[], request_ids=[])
+
     def holds(self, batch: AttentionBatch) -> bool:
-        return batch.positions.untyped_storage().data_ptr() == self.packed.untyped_storage().data_ptr()
+        return batch.positions.untyped_storage().data_ptr() == self.buf.dev.untyped_storage().data_ptr()
 
     def batch(self) -> AttentionBatch:
         """The whole padded layout as one batch (what a graph captures)."""
-        return _views(self.packed, self.small, self.tables, _offsets(self.n, self.b, 0), self.n, self.b)
-
-
-def _offsets(n: int, b: int, table_entries: int, multiple: int = 4) -> list[int]:
-    # where each part starts (as aligned_parts lays them), then the end: ids, positions, slots, token_request,
-    # context_lens, query_start, tables
-    at = [0]
-    for k in (n, n, n, n, b, b + 1, table_entries):
-        at.append(at[-1] + -(-k // multiple) * multiple)
-    return at
+        return self.views(self.n, self.b, self.mb)
 
 
 def _views(packed, small, tables, at, N, B) -> AttentionBatch:
@@ -150,7 +188,6 @@ def lay_out(request_ids: list[str], tables: list[list[int]], starts: list[int], 
     decode step's layout is on its critical path (BENCHMARKS.md, twenty-second session, item 6)."""
     bs, B, N = block_size, len(query_lens), sum(query_lens)
     w = max([len(t) for t in tables] + [1])
-    n, b = (N, B) if stage is None else (stage.n, stage.b)
     pos, slots, req, qstart = [], [], [], [0]
     for r, (t, s, q) in enumerate(zip(tables, starts, query_lens)):
         pos += range(s, s + q)
@@ -158,26 +195,36 @@ def lay_out(request_ids: list[str], tables: list[list[int]], starts: list[int], 
             slots += range(t[j] * bs + max(s - j * bs, 0), t[j] * bs + min(s + q - j * bs, bs))
         req += [r] * q
         qstart.append(qstart[-1] + q)
-    pad = n - N                                       # padding rows: position 0, scratch slot, request b - 1
-    host, at = aligned_parts([(tokens or [0] * N) + [0] * pad, pos + [0] * pad,
-                              slots + [stage.scratch_slot if stage else 0] * pad, req + [b - 1] * pad,
-                              [s + q for s, q in zip(starts, query_lens)] + [0] * (b - B), qstart + [N] * (b - B),
-                              [x for t in tables for x in t + [0] * (w - len(t))]])
-    at.append(len(host))
-    host_tables = host[at[6]:at[6] + B * w].view(B, w)
-    if stage is None:
+    ctx = [s + q for s, q in zip(starts, query_lens)]
+    if stage is not None:
+        out, host_tables = _into_stage(stage, tokens, pos, slots, req, ctx, qstart, tables, w)
+    else:
+        host, at = aligned_parts([tokens or [0] * N, pos, slots, req, ctx, qstart,
+                                  [x for t in tables for x in t + [0] * (w - len(t))]])
+        at.append(len(host))
+        host_tables = host[at[6]:at[6] + B * w].view(B, w).to(torch.int32)
         packed = host.to(device, non_blocking=True)       # staged at once from pageable memory: no wait for the
                                                           # stream's queued work (a blocking copy syncs it)
         small = packed[at[3]:].to(torch.int32)
-        dev_tables = small[at[6] - at[3]:at[6] - at[3] + B * w].view(B, w)
-    else:                                             # into the graph's buffers: one transfer, two casts
-        packed, small = stage.packed, stage.small
-        packed[:at[7]].copy_(host, non_blocking=True)
-        small.copy_(packed[at[3]:at[6]])
-        dev_tables = stage.tables[:B, :w]
-        dev_tables.copy_(packed[at[6]:at[6] + B * w].view(B, w))
-    out = _views(packed, small, dev_tables, at, N, B)
+        out = _views(packed, small, small[at[6] - at[3]:at[6] - at[3] + B * w].view(B, w), at, N, B)
     out.input_ids = out.input_ids if tokens is not None else None
     out.query_lens, out.request_ids, out.block_size = list(query_lens), list(request_ids), bs
-    out.host_starts, out.host_block_tables = list(starts), host_tables.to(torch.int32)
+    out.host_starts, out.host_block_tables = list(starts), host_tables
     return out
+
+
+def _into_stage(stage: Stage, tokens, pos, slots, req, ctx, qstart, tables, w: int):
+    """A step's parts written into the stage's host twin (padding: position 0, the scratch slot, request b - 1,
+    context 0, query start N) and uploaded in one copy -> (its device views, its host tables [B, w])."""
+    N, B, b = len(pos), len(ctx), stage.b
+    ids_h, pos_h, slots_h, req_h, ctx_h, qs_h, tab_h = stage.buf.writable()
+    ids_h[:N], ids_h[N:] = tokens if tokens is not None else 0, 0
+    pos_h[:N], pos_h[N:] = pos, 0
+    slots_h[:N], slots_h[N:] = slots, stage.scratch_slot
+    req_h[:N], req_h[N:] = req, b - 1
+    ctx_h[:B], ctx_h[B:] = ctx, 0
+    qs_h[:B + 1], qs_h[B + 1:] = qstart, N
+    for r, t in enumerate(tables):                  # past a request's table: zeros to w, then what an earlier step
+        tab_h[r, :len(t)], tab_h[r, len(t):w] = t, 0      # left (never read)
+    stage.buf.upload()
+    return stage.views(N, B, w), torch.from_numpy(tab_h[:B, :w].copy())

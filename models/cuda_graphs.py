@@ -92,8 +92,9 @@ class GraphedForward:
         if not stage.holds(batch):                       # laid out elsewhere: lay it out again into the stage
             lay_out(batch.request_ids, batch.host_block_tables.tolist(), batch.host_starts, batch.query_lens,
                     self.cache.block_size, self.cache.device, stage=stage)
-        if tokens.data_ptr() != stage.packed.data_ptr():  # ids not laid out with the batch
-            stage.packed[:N].copy_(tokens)
+        ids = stage.batch().input_ids
+        if tokens.data_ptr() != ids.data_ptr():          # ids not laid out with the batch
+            ids[:N].copy_(tokens)
         for buf, r in zip(stage.rows, rows):
             buf[:N].copy_(r)
         graph.replay()

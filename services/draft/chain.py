@@ -24,13 +24,13 @@ each q cut to its top tokens of that mass (noise.top_mass: the draw is from the 
 """
 from __future__ import annotations
 
-from array import array
 
 import torch
 
 from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket
 from kernels.dispatch import argmax_rows, sampling_probs
 from infra.errors import KV_CACHE_FULL
+from models.batch import TwinBuffer
 from models.kv_cache import AttentionBatch, CacheFullError, PagedKVCache
 from infra.defaults import DRAFT_Q_WIDTH
 from kernels.noise import choose, draw_keys, top_mass
@@ -76,9 +76,7 @@ class DraftChain:
         if key not in self.compiled:
             self.compiled[key] = self._build(*key)
         graph, st, out = self.compiled[key]
-        self._fill(st, ids, hidden, ks, starts, bp, k_max)
-        if sampled is not None:
-            self._fill_sampling(st, sampled, bp)
+        self._fill(st, ids, hidden, ks, starts, bp, sampled)
         if graph is not None:
             graph.replay()
             self.replays += 1
@@ -104,16 +102,15 @@ class DraftChain:
 
     # --- buffers -------------------------------------------------------------------------------
     def _static(self, bp: int, k_max: int, sampled: bool) -> dict:
-        dev, S = self.cache.device, max(k_max - 1, 1)
-        st = {"hidden": torch.zeros(bp, self.model.cfg.hidden_size, dtype=self.dtype, device=dev),
-              "pos": torch.zeros(S, bp, dtype=torch.long, device=dev),
-              "slots": torch.full((S, bp), self.scratch_slot, dtype=torch.long, device=dev),
-              "ctx": torch.zeros(S, bp, dtype=torch.int32, device=dev),
-              "tables": torch.zeros(bp, self.max_blocks, dtype=torch.int32, device=dev)}
+        dev, S, MB = self.cache.device, max(k_max - 1, 1), self.max_blocks
+        i64, i32, f32 = torch.int64, torch.int32, torch.float32
+        kinds = [(i64, (S, bp)), (i64, (S, bp)), (i32, (S, bp)), (i32, (bp, MB))]      # pos, slots, ctx, tables
         if sampled:                            # per row: temperature, top-k, top-p, noise seed, first draw
-            st.update(temp=torch.zeros(bp, device=dev), top_k=torch.zeros(bp, dtype=torch.long, device=dev),
-                      top_p=torch.zeros(bp, device=dev), seeds=torch.zeros(bp, dtype=torch.long, device=dev),
-                      draws=torch.zeros(bp, dtype=torch.long, device=dev))
+            kinds += [(f32, (bp,)), (i64, (bp,)), (f32, (bp,)), (i64, (bp,)), (i64, (bp,))]
+        buf = TwinBuffer(kinds, dev)           # the round's layout (and sampling) in one upload
+        st = dict(zip(("pos", "slots", "ctx", "tables", "temp", "top_k", "top_p", "seeds", "draws"), buf.parts))
+        st["buf"] = buf
+        st["hidden"] = torch.zeros(bp, self.model.cfg.hidden_size, dtype=self.dtype, device=dev)
         req = torch.arange(bp, dtype=torch.int32, device=dev)
         qstart = torch.arange(bp + 1, dtype=torch.int32, device=dev)
         backend = "triton" if self.graphs else None
@@ -124,46 +121,37 @@ class DraftChain:
             attention_backend=backend) for s in range(S)]
         return st
 
-    def _fill(self, st: dict, ids, hidden, ks, starts, bp: int, k_max: int) -> None:
-        # host layout of steps 1 .. k_max - 1, one transfer: [pos S*bp | slots S*bp | ctx S*bp | tables bp*MB], in
-        # Python lists (~15 small CPU tensor ops cost more on the round's critical path: as models/batch.lay_out)
-        bs, S, B, MB = self.cache.block_size, st["pos"].shape[0], len(ids), self.max_blocks
+    def _fill(self, st: dict, ids, hidden, ks, starts, bp: int, sampled=None) -> None:
+        # the layout of steps 1 .. k_max - 1 (and the sampling rows) written on the host into the twin's parts, then
+        # one upload; Python lists and numpy views, not ~15 small tensor ops (as models/batch.lay_out)
+        bs, B = self.cache.block_size, len(ids)
         tables = [self.cache._tables[r] for r in ids]
-        pos, slots, ctx = [], [], []
-        for s in range(1, S + 1):                                             # step s of request b, if it drafts it
-            for b in range(bp):
-                live = b < B and s < ks[b]
-                p = starts[b] + s - 1 if live else 0                              # cache position of step s
-                pos.append(p)
-                slots.append(tables[b][p // bs] * bs + p % bs if live else self.scratch_slot)
-                ctx.append(p + 1 if live else 0)
-        flat = array("q", pos + slots + ctx)
-        at = len(flat)
-        flat.frombytes(bytes(8 * bp * MB))                                     # the tables' rows, zeros past each
-        for b, t in enumerate(tables):
-            flat[at + b * MB:at + b * MB + len(t)] = array("q", t)
-        host = torch.frombuffer(flat, dtype=torch.long)
-        packed = host.to(self.cache.device, non_blocking=True)      # behind step 0 on the stream, not waiting on it
-        n = S * bp
-        st["pos"].copy_(packed[:n].view(S, bp))
-        st["slots"].copy_(packed[n:2 * n].view(S, bp))
-        st["ctx"].copy_(packed[2 * n:3 * n].view(S, bp))
-        st["tables"].copy_(packed[3 * n:].view(bp, MB))
+        pos_h, slots_h, ctx_h, tab_h, *samp_h = st["buf"].writable()
+        for s in range(1, pos_h.shape[0] + 1):                                 # step s of request b, if it drafts it
+            pos, slots, ctx = [0] * bp, [self.scratch_slot] * bp, [0] * bp      # padding: position 0, scratch slot
+            for b in range(B):
+                if s < ks[b]:
+                    p = starts[b] + s - 1                                         # cache position of step s
+                    pos[b], slots[b], ctx[b] = p, tables[b][p // bs] * bs + p % bs, p + 1
+            pos_h[s - 1], slots_h[s - 1], ctx_h[s - 1] = pos, slots, ctx
+        tab_h[B:] = 0
+        for b, t in enumerate(tables):                                         # each table, zeros past it
+            tab_h[b, :len(t)], tab_h[b, len(t):] = t, 0
+        if sampled is not None:
+            rows = list(sampled) + [(Sampling(), 0, 0)] * (bp - len(sampled))
+            for h, col in zip(samp_h, ([s.temperature for s, _, _ in rows], [s.top_k for s, _, _ in rows],
+                                       [s.top_p for s, _, _ in rows], [seed for _, seed, _ in rows],
+                                       [d for _, _, d in rows])):
+                h[:] = col
+        st["buf"].upload()                     # behind step 0 on the stream, not waiting on it
         st["hidden"][:B].copy_(hidden)
-        st["hidden"][B:].zero_()
+        if B < bp:
+            st["hidden"][B:].zero_()
         if not self.graphs:                    # the reference attention plans from host copies
+            host_tables = torch.from_numpy(tab_h.copy())
             for s, batch in enumerate(st["batches"]):
-                batch.host_block_tables, batch.host_starts = host[3 * n:].view(bp, MB).int(), pos[s * bp:(s + 1) * bp]
+                batch.host_block_tables, batch.host_starts = host_tables, pos_h[s].tolist()
                 batch.plans = {}
-
-    def _fill_sampling(self, st: dict, sampled, bp: int) -> None:
-        pad = [(Sampling(), 0, 0)] * (bp - len(sampled))
-        rows = list(sampled) + pad
-        st["temp"].copy_(torch.tensor([s.temperature for s, _, _ in rows]))
-        st["top_k"].copy_(torch.tensor([s.top_k for s, _, _ in rows]))
-        st["top_p"].copy_(torch.tensor([s.top_p for s, _, _ in rows]))
-        st["seeds"].copy_(torch.tensor([seed for _, seed, _ in rows]))
-        st["draws"].copy_(torch.tensor([d for _, _, d in rows]))
 
     # --- the chain -----------------------------------------------------------------------------
     def _body(self, st: dict, k_max: int, sampled: bool, q_mass: float = 1.0):
