@@ -122,9 +122,9 @@ class TwinBuffer:
         return self._host
 
     def upload(self) -> None:
-        self.dev.copy_(self.host, non_blocking=True)
+        self.dev.copy_(self.host, non_blocking=True)              # on the device's current stream, as the record
         if self.uploaded is not None:
-            self.uploaded.record()
+            self.uploaded.record(torch.cuda.current_stream(self.dev.device))
 
 
 MAX_VIEWS = 256          # step shapes whose device views a Stage keeps

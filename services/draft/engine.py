@@ -125,8 +125,11 @@ class DraftEngine:
                 for b in active:
                     self.committed[ids[b]] = self.cache.length(ids[b])
                 self.unsealed = [ids[b] for b in active]
-                ends = torch.tensor(list(accumulate(len(toks[b]) for b in active))) - 1   # not waiting on step 0:
-                last = hidden[ends.to(hidden.device, non_blocking=True)]    # [len(active), D] each one's MTP hidden
+                if len(active) == 1:                                        # [1, D] its MTP hidden: a view
+                    last = hidden[-1:]
+                else:                                                       # not waiting on step 0:
+                    ends = torch.tensor(list(accumulate(len(toks[b]) for b in active))) - 1
+                    last = hidden[ends.to(hidden.device, non_blocking=True)]    # [len(active), D] each one's
                 live = [b for b in active if k[b] > 0]
                 if live and len(live) < len(active):                         # (rows as they are when all draft)
                     keep = torch.tensor([i for i, b in enumerate(active) if k[b] > 0])
