@@ -26,7 +26,7 @@ for a in answers:
     if push is None:
         continue
     dr = lambda n: inside(D, push[1], push[2], n)
-    take = dr("IpcReceiver.take"); gat = dr("DraftServicer._gather_rows"); prop = dr("DraftEngine.propose")
+    take = dr("IpcReceiver.take") or dr("IpcReceiver.take_in_place"); gat = dr("DraftServicer._gather_rows"); prop = dr("DraftEngine.propose")
     step = dr("DraftEngine._step"); chain = dr("DraftEngine._chain"); fill = dr("DraftChain._fill")
     # gateway: the Verify call containing this answer, the next collect, the next Verify call
     gv = next((r for r in G if r[0] == "Lane.__call__" and r[1] <= a[1] and r[2] >= a[2]), None)
@@ -41,6 +41,7 @@ for a in answers:
         ahead_send=ms(s[2] - s[1]), handler_after_send=ms(a[2] - s[2]),
         push_arrival=ms(push[1] - s[1]), draft_gather=ms(gat[0][2] - gat[0][1]) if gat else -1,
         ipc_take=ms(take[0][2] - take[0][1]) if take else -1,
+        take_later=ms(dr("RowChannel.take_later")[0][2] - dr("RowChannel.take_later")[0][1]) if dr("RowChannel.take_later") else -1,
         draft_propose=ms(prop[0][2] - prop[0][1]) if prop else -1, step0=ms(step[0][2] - step[0][1]) if step else -1,
         chain=ms(chain[0][2] - chain[0][1]) if chain else -1, fill=ms(fill[0][2] - fill[0][1]) if fill else -1,
         draft_after_propose=ms(push[2] - prop[0][2]) if prop else -1, draft_total=ms(push[2] - push[1]),

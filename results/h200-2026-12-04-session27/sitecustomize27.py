@@ -9,7 +9,7 @@ if DIR:
         "services.draft.server": ["DraftServicer._propose", "DraftServicer._gather_rows", "DraftServicer.Propose",
                                   "check", "check_payload", "rows_by_request", "_landed", "DraftServicer._item"],
         "services.bridge.channel": ["RowChannel.take", "RowChannel.send", "RowChannel.take_later", "RowChannel._take"],
-        "services.bridge.ipc": ["IpcReceiver.take", "IpcSender.push"],
+        "services.bridge.ipc": ["IpcReceiver.take", "IpcReceiver.take_in_place", "IpcSender.push"],
         "services.draft.engine": ["DraftEngine.propose", "DraftEngine._step", "DraftEngine._chain", "DraftEngine.expected_rows"],
         "services.draft.chain": ["DraftChain.run", "DraftChain._fill"],
         "services.draft.ahead": ["AheadStore.collect"],

@@ -23,8 +23,9 @@ sends it, and the draft copies it out when it asks, without a round trip (ipc.py
 invariants). A transfer overwritten before it was taken is reported
 gone (LookupError), never returned with another transfer's rows. On a ring the target pushes the next round's
 Propose before the rows it names (services/target/server.py), so the draft's take_later waits for a transfer
-its slot does not hold yet (up to RING_WAIT_S); on the CUDA IPC ring it queues the copy and the finiteness
-check without a host sync and checks both once the Propose's compute is done (one sync for the whole call).
+its slot does not hold yet (up to RING_WAIT_S); on the CUDA IPC ring it reads the rows in place on the caller's
+stream (no copy) with the finiteness check queued behind them, and checks both once the Propose's compute is done
+(one sync for the whole call), marking the slot read only then.
 
 Handshake and generations (how the two ends find each other, and again after either restarts):
 generations.py; link.py holds one generation's transport.
@@ -138,10 +139,11 @@ class RowChannel(Generations):
                    field: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """take() without waiting for the rows: on a ring a transfer not yet pushed is waited for (up to
         RING_WAIT_S: the target pushes the next round's Propose before the rows it names), and on the CUDA IPC
-        ring the copy and the finiteness check are queued, the caller's stream made to wait for them. -> (rows,
-        landed): on the CUDA IPC ring landed() raises what take() would have (LookupError: overwritten before it
-        was copied; ContractError: not finite), to be called once the caller has synchronized past the rows'
-        use; elsewhere the rows were checked already (landed None)."""
+        ring the rows are the ring slot itself, the caller's stream made to wait for the frame, the finiteness
+        check queued on it. -> (rows, landed): on the CUDA IPC ring landed() raises what take() would have
+        (LookupError: overwritten before or during the use; ContractError: not finite) and marks the slot read
+        (after it, the target may overwrite the rows): call it once the caller's work on the rows is queued (it
+        synchronizes that stream); elsewhere the rows were checked already (landed None)."""
         return self._take(transfer_id, timeout_s, field, later=True)
 
     def _take(self, transfer_id: int, timeout_s: float, field: str | None, later: bool):
@@ -153,14 +155,18 @@ class RowChannel(Generations):
                 raise TimeoutError("hidden rows bridge not connected (joining again)")
             flag, whole = [], None
             ring = link.ipc if isinstance(link.ipc, RINGS_TAKEN) else None
-            if isinstance(ring, IpcReceiver):
+            if isinstance(ring, IpcReceiver) and later:          # read in place on the caller's stream
+                use = torch.cuda.current_stream(ring.buf.device)
+                got = ring.take_in_place(transfer_id, use, RING_WAIT_S)
+                if got is not None:
+                    payload, code, whole, release = got
+                    got = payload, code
+                    if field:                                    # queued on `use` too, read in landed()
+                        flag.append(finite_flag(_typed(payload, PB_TO_DTYPE[code])))
+            elif isinstance(ring, IpcReceiver):
                 check = (lambda out, code: flag.append(finite_flag(_typed(out, PB_TO_DTYPE[code])))) if field \
                     else None
-                got = ring.take(transfer_id, self._stream, check, RING_WAIT_S if later else 0.0, sync=not later)
-                if got is not None and later:
-                    payload, code, whole = got
-                    got = payload, code
-                    torch.cuda.current_stream(payload.device).wait_stream(self._stream)   # the copy, then the use
+                got = ring.take(transfer_id, self._stream, check)
             elif ring is not None:
                 got = ring.take(transfer_id, wait_s=RING_WAIT_S if later else 0.0)
             else:
@@ -169,7 +175,7 @@ class RowChannel(Generations):
             if got is None:
                 raise LookupError(_gone(transfer_id, link.transport))
             payload, code = got
-            if payload.is_cuda:
+            if payload.is_cuda and whole is None:             # a copy made on the channel's stream
                 payload.record_stream(torch.cuda.current_stream(payload.device))
             rows = _typed(payload, PB_TO_DTYPE[code])
         else:
@@ -177,12 +183,16 @@ class RowChannel(Generations):
             rows = payload.view(dtype).reshape(n_rows, row_bytes // dtype.itemsize).to(self.device)
 
         def landed() -> None:
-            if whole is not None:
-                self._stream.synchronize()            # done already where the caller synchronized past the use
-                if not whole():
-                    raise LookupError(_gone(transfer_id, link.transport))
-            if field:
-                check_finite(rows, field, flag[0] if flag else None)
+            try:
+                if whole is not None:
+                    use.synchronize()                 # done already where the caller synchronized past the use
+                    if not whole():
+                        raise LookupError(_gone(transfer_id, link.transport))
+                if field:
+                    check_finite(rows, field, flag[0] if flag else None)
+            finally:
+                if whole is not None:
+                    release()                         # the slot read: after the use, and the full check if it ran
         if whole is None:                             # taken whole (synchronized, or no GPU ring): checked now
             landed()
             return rows, None

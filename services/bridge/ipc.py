@@ -185,12 +185,11 @@ class IpcReceiver:
     def answer(self) -> str:
         return json.dumps({"read": [_hex(e.ipc_handle()) for e in self.read]})
 
-    def take(self, tid: int, stream: torch.cuda.Stream, then=None, wait_s: float = 0.0, sync: bool = True):
+    def take(self, tid: int, stream: torch.cuda.Stream, then=None, wait_s: float = 0.0):
         """-> (rows [N, bytes per row] uint8, dtype code), or None when transfer `tid` is not (or no
         longer) in its slot (not yet there: waited for up to wait_s). Synchronizes `stream`: the rows are
         complete when returned; then(rows, code), if given, enqueues more work on the stream before that one
-        sync. sync False: nothing waits; -> (rows, code, whole), whole() saying, once the stream's work is done,
-        whether the slot still held the transfer when it was copied out."""
+        sync."""
         slot = tid % self.slots
         header = self.headers.wait(slot, tid, wait_s)
         if header is None:
@@ -203,12 +202,24 @@ class IpcReceiver:
             self.read[slot].record(stream)
             if then is not None:
                 then(out, code)
-        def whole() -> bool:                                  # ids only grow: still tid now, so when copied
-            return self.headers.tid(slot) == tid
-        if not sync:
-            return out, code, whole
         stream.synchronize()
-        return (out, code) if whole() else None               # overwritten meanwhile: gone
+        return (out, code) if self.headers.tid(slot) == tid else None      # overwritten meanwhile: gone
+
+    def take_in_place(self, tid: int, stream: torch.cuda.Stream, wait_s: float = 0.0):
+        """take() without a copy or a wait, for a caller that uses the rows on `stream` (the draft's compute):
+        -> (the slot's rows [N, bytes per row] uint8 as they sit in the ring, dtype code, whole, release), or None
+        as take(). `stream` waits for the frame; release() marks the slot read on `stream` after the caller's use
+        (the target overwrites it only after that, or after an earlier mark: then its header no longer shows tid);
+        whole(), once the stream's work is done: the slot still held the transfer through the use."""
+        slot = tid % self.slots
+        header = self.headers.wait(slot, tid, wait_s)
+        if header is None:
+            return None
+        n_rows, row_bytes, code = header
+        stream.wait_event(self.written[slot])
+        start = slot * self.slot_bytes
+        rows = self.buf[start:start + n_rows * row_bytes].view(n_rows, row_bytes)
+        return rows, code, lambda: self.headers.tid(slot) == tid, lambda: self.read[slot].record(stream)
 
     def close(self) -> None:
         self.headers.close()
