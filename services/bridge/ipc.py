@@ -190,20 +190,17 @@ class IpcReceiver:
         longer) in its slot (not yet there: waited for up to wait_s). Synchronizes `stream`: the rows are
         complete when returned; then(rows, code), if given, enqueues more work on the stream before that one
         sync."""
-        slot = tid % self.slots
-        header = self.headers.wait(slot, tid, wait_s)
-        if header is None:
+        got = self.take_in_place(tid, stream, wait_s)
+        if got is None:
             return None
-        n_rows, row_bytes, code = header
-        stream.wait_event(self.written[slot])
+        rows, code, whole, release = got
         with torch.cuda.stream(stream):
-            start = slot * self.slot_bytes
-            out = self.buf[start:start + n_rows * row_bytes].view(n_rows, row_bytes).clone()
-            self.read[slot].record(stream)
+            out = rows.clone()
+            release()
             if then is not None:
                 then(out, code)
         stream.synchronize()
-        return (out, code) if self.headers.tid(slot) == tid else None      # overwritten meanwhile: gone
+        return (out, code) if whole() else None              # overwritten meanwhile: gone
 
     def take_in_place(self, tid: int, stream: torch.cuda.Stream, wait_s: float = 0.0):
         """take() without a copy or a wait, for a caller that uses the rows on `stream` (the draft's compute):

@@ -120,8 +120,9 @@ class DraftEngine:
         probs: list[list[torch.Tensor]] = [[] for _ in items]
         try:
             if active:
+                parts = [rows[ids[b]] for b in active]                  # one request: its rows as they came
                 hidden = self._step([ids[b] for b in active], [toks[b] for b in active],
-                                    torch.cat([rows[ids[b]] for b in active]), step=0)
+                                    torch.cat(parts) if len(parts) > 1 else parts[0], step=0)
                 for b in active:
                     self.committed[ids[b]] = self.cache.length(ids[b])
                 self.unsealed = [ids[b] for b in active]
