@@ -57,6 +57,21 @@ def test_chain_matches_greedy_decoding():
     assert fast == plain and de.chain.runs > 0
 
 
+def test_a_chain_built_mid_serving_writes_only_its_scratch_slot_before_its_first_fill():
+    """A chain variant is built on first use (a sampled round, a new batch bucket), its capture's warm-up running
+    the body on the buffers before any fill: every slot they hold is the chain's scratch slot (a running request's
+    cache slot there would be overwritten), every context 0."""
+    target, draft = make_models()
+    te, de = engines(target, draft)
+    de.cache.allocate("running")
+    de.cache.extend("running", 3 * de.cache.block_size)                       # it holds the first blocks
+    chain = DraftChain(draft, de.cache, de.max_model_len, max_k=4, graphs=False)
+    assert chain.scratch_slot >= 3 * de.cache.block_size
+    for sampled in (False, True):
+        st = chain._static(4, 3, sampled)
+        assert st["slots"].tolist() == [[chain.scratch_slot] * 4] * 2 and not st["ctx"].any()
+
+
 @pytest.mark.parametrize("k, q_mass, width", [(2, 1.0, 0), ({"a": 3, "b": 1, "c": 2, "d": 0}, 1.0, 0),
                                               (2, DRAFT_Q_MASS, 0), (3, 0.5, 0), (3, 0.9, 8)])
 def test_sampled_chain_equals_loop(k, q_mass, width, monkeypatch):

@@ -108,6 +108,8 @@ class DraftChain:
         if sampled:                            # per row: temperature, top-k, top-p, noise seed, first draw
             kinds += [(f32, (bp,)), (i64, (bp,)), (f32, (bp,)), (i64, (bp,)), (i64, (bp,))]
         buf = TwinBuffer(kinds, dev)           # the round's layout (and sampling) in one upload
+        buf.writable()[1][:] = self.scratch_slot    # slots: the capture's warm-up writes only the scratch slot
+        buf.upload()
         st = dict(zip(("pos", "slots", "ctx", "tables", "temp", "top_k", "top_p", "seeds", "draws"), buf.parts))
         st["buf"] = buf
         st["hidden"] = torch.zeros(bp, self.model.cfg.hidden_size, dtype=self.dtype, device=dev)
