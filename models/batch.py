@@ -109,6 +109,7 @@ class TwinBuffer:
         device = torch.device(device)
         self.dev = torch.zeros(at[-1], dtype=torch.uint8, device=device)
         self.host = torch.zeros(at[-1], dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.at = at                                                   # each part's first byte, then the end
         split = lambda t: [t[a:a + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
                            for (dtype, shape), a in zip(kinds, at)]
         self.parts = split(self.dev)                                   # the device views a graph reads
@@ -121,10 +122,20 @@ class TwinBuffer:
             self.uploaded.synchronize()
         return self._host
 
-    def upload(self) -> None:
-        self.dev.copy_(self.host, non_blocking=True)              # on the device's current stream, as the record
+    def upload(self, end: int | None = None) -> None:
+        """The twin's bytes [0, end) (default: all) to the device, on its current stream (as the event's record)."""
+        if end is None or end >= self.at[-1]:
+            self.dev.copy_(self.host, non_blocking=True)
+        else:
+            self.dev[:end].copy_(self.host[:end], non_blocking=True)
         if self.uploaded is not None:
             self.uploaded.record(torch.cuda.current_stream(self.dev.device))
+
+
+def table_rows_end(buf: TwinBuffer, B: int, mb: int, w: int) -> int:
+    """The byte after the step's part of a TwinBuffer whose LAST part is int32 block tables [b, mb]: rows 0..B-1, w
+    entries each (a long context's table, mb entries a row, is not uploaded whole every step)."""
+    return buf.at[-2] + 4 * ((B - 1) * mb + w) if B else buf.at[-2]
 
 
 MAX_VIEWS = 256          # step shapes whose device views a Stage keeps
@@ -226,5 +237,5 @@ def _into_stage(stage: Stage, tokens, pos, slots, req, ctx, qstart, tables, w: i
     qs_h[:B + 1], qs_h[B + 1:] = qstart, N
     for r, t in enumerate(tables):                  # past a request's table: zeros to w, then what an earlier step
         tab_h[r, :len(t)], tab_h[r, len(t):w] = t, 0      # left (never read)
-    stage.buf.upload()
+    stage.buf.upload(table_rows_end(stage.buf, B, stage.mb, w))
     return stage.views(N, B, w), torch.from_numpy(tab_h[:B, :w].copy())

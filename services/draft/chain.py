@@ -30,7 +30,7 @@ import torch
 from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket
 from kernels.dispatch import argmax_rows, sampling_probs
 from infra.errors import KV_CACHE_FULL
-from models.batch import TwinBuffer
+from models.batch import TwinBuffer, table_rows_end
 from models.kv_cache import AttentionBatch, CacheFullError, PagedKVCache
 from infra.defaults import DRAFT_Q_WIDTH
 from kernels.noise import choose, draw_keys, top_mass
@@ -104,13 +104,14 @@ class DraftChain:
     def _static(self, bp: int, k_max: int, sampled: bool) -> dict:
         dev, S, MB = self.cache.device, max(k_max - 1, 1), self.max_blocks
         i64, i32, f32 = torch.int64, torch.int32, torch.float32
-        kinds = [(i64, (S, bp)), (i64, (S, bp)), (i32, (S, bp)), (i32, (bp, MB))]      # pos, slots, ctx, tables
+        names = ["pos", "slots", "ctx"] + (["temp", "top_k", "top_p", "seeds", "draws"] if sampled else []) + ["tables"]
+        kinds = [(i64, (S, bp)), (i64, (S, bp)), (i32, (S, bp))]
         if sampled:                            # per row: temperature, top-k, top-p, noise seed, first draw
             kinds += [(f32, (bp,)), (i64, (bp,)), (f32, (bp,)), (i64, (bp,)), (i64, (bp,))]
-        buf = TwinBuffer(kinds, dev)           # the round's layout (and sampling) in one upload
+        buf = TwinBuffer(kinds + [(i32, (bp, MB))], dev)     # the round's layout (and sampling) in one upload
         buf.writable()[1][:] = self.scratch_slot    # slots: the capture's warm-up writes only the scratch slot
         buf.upload()
-        st = dict(zip(("pos", "slots", "ctx", "tables", "temp", "top_k", "top_p", "seeds", "draws"), buf.parts))
+        st = dict(zip(names, buf.parts))
         st["buf"] = buf
         st["hidden"] = torch.zeros(bp, self.model.cfg.hidden_size, dtype=self.dtype, device=dev)
         req = torch.arange(bp, dtype=torch.int32, device=dev)
@@ -128,7 +129,7 @@ class DraftChain:
         # one upload; Python lists and numpy views, not ~15 small tensor ops (as models/batch.lay_out)
         bs, B = self.cache.block_size, len(ids)
         tables = [self.cache._tables[r] for r in ids]
-        pos_h, slots_h, ctx_h, tab_h, *samp_h = st["buf"].writable()
+        pos_h, slots_h, ctx_h, *samp_h, tab_h = st["buf"].writable()
         for s in range(1, pos_h.shape[0] + 1):                                 # step s of request b, if it drafts it
             pos, slots, ctx = [0] * bp, [self.scratch_slot] * bp, [0] * bp      # padding: position 0, scratch slot
             for b in range(B):
@@ -136,21 +137,21 @@ class DraftChain:
                     p = starts[b] + s - 1                                         # cache position of step s
                     pos[b], slots[b], ctx[b] = p, tables[b][p // bs] * bs + p % bs, p + 1
             pos_h[s - 1], slots_h[s - 1], ctx_h[s - 1] = pos, slots, ctx
-        tab_h[B:] = 0
-        for b, t in enumerate(tables):                                         # each table, zeros past it
-            tab_h[b, :len(t)], tab_h[b, len(t):] = t, 0
+        w = max(len(t) for t in tables)
+        for b, t in enumerate(tables):                                         # each table, zeros past it to w
+            tab_h[b, :len(t)], tab_h[b, len(t):w] = t, 0
         if sampled is not None:
             rows = list(sampled) + [(Sampling(), 0, 0)] * (bp - len(sampled))
             for h, col in zip(samp_h, ([s.temperature for s, _, _ in rows], [s.top_k for s, _, _ in rows],
                                        [s.top_p for s, _, _ in rows], [seed for _, seed, _ in rows],
                                        [d for _, _, d in rows])):
                 h[:] = col
-        st["buf"].upload()                     # behind step 0 on the stream, not waiting on it
+        st["buf"].upload(table_rows_end(st["buf"], B, self.max_blocks, w))    # behind step 0, not waiting on it
         st["hidden"][:B].copy_(hidden)
         if B < bp:
             st["hidden"][B:].zero_()
         if not self.graphs:                    # the reference attention plans from host copies
-            host_tables = torch.from_numpy(tab_h.copy())
+            host_tables = torch.from_numpy(tab_h.copy())                     # (rows past B, columns past w: unread)
             for s, batch in enumerate(st["batches"]):
                 batch.host_block_tables, batch.host_starts = host_tables, pos_h[s].tolist()
                 batch.plans = {}
