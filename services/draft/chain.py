@@ -24,7 +24,6 @@ each q cut to its top tokens of that mass (noise.top_mass: the draw is from the 
 """
 from __future__ import annotations
 
-
 import torch
 
 from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket
