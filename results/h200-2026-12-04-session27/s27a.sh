@@ -1,6 +1,6 @@
 # session 27's plan for the next H200 (no device was lent in session 27), call A: GPU tests of this tree's bridge,
 # lane, layout and draft code; the verify step's wall with the layout of 022d37c (old: pageable upload + casts) and
-# 673d900 (new: one pinned upload, views made once), three alternating processes each (step23.py); where the
+# 8f46015 (new: one pinned upload, views made once), three alternating processes each (step23.py); where the
 # draft's CUDA IPC take and the step layout spend their host time (mb27.py)
 source .gpu/common.sh
 R=$OUT/r; mkdir -p $R
