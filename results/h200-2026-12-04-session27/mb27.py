@@ -85,6 +85,28 @@ def part1(out):
             row = {k: med(v) for k, v in t.items()}
             out[f"take R={R} {variant}"] = row
             print(f"take R={R:3d} {variant:16s}", json.dumps(row), flush=True)
+    # the draft's take as served since f76a187: take_in_place on the compute stream, the flag queued, landed's sync,
+    # release (the read event) after the use
+    from services.bridge.rows import finite_flag
+    for R in (4, 128):
+        t = {k: [] for k in ("take_in_place", "flag", "use", "sync", "release", "total")}
+        for i in range(N + 20):
+            tid += 1
+            a.send((tid, R)); assert a.recv() == "pushed"
+            c0 = time.perf_counter()
+            rows, code, whole, release = rcv.take_in_place(tid, comp, 1.0); c1 = time.perf_counter()
+            typed = rows.view(torch.bfloat16).reshape(rows.shape[0], rows.shape[1] // 2)
+            flag = finite_flag(typed); c2 = time.perf_counter()
+            y = typed[-1:].float() * 2; c3 = time.perf_counter()
+            comp.synchronize(); c4 = time.perf_counter()
+            assert whole() and bool(flag)
+            release(); c5 = time.perf_counter()
+            if i >= 20:
+                for k, d in zip(t, (c1 - c0, c2 - c1, c3 - c2, c4 - c3, c5 - c4, (c2 - c0) + (c5 - c4))):
+                    t[k].append(d)
+        row = {k: med(v) for k, v in t.items()}
+        out[f"take_in_place R={R}"] = row
+        print(f"take R={R:3d} in place (served)", json.dumps(row), flush=True)
     a.send(None); p.join(10)
 
 
