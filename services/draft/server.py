@@ -125,7 +125,7 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
                 rows, landed = self._gather_rows(request, expected)
             transfer_s = time.perf_counter() - t0
             with tracing.span("draft.propose", requests=len(items)):
-                # rows taken without a wait (the copy queued before the compute): their checks once it is done,
+                # rows taken without a wait (CUDA IPC: read in place by the compute): their checks once it is done,
                 # then the round's blocks go to the prefix cache
                 results = self.group.call(DraftEngine.propose, items, rows, not landed)
                 if landed:
@@ -155,7 +155,7 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
 
 
 def _landed(checks: list) -> None:
-    """The rows' bridge checks, after the compute that used them: a frame overwritten before it was copied is
+    """The rows' bridge checks, after the compute that used them: a frame overwritten before or during that use is
     NOT_FOUND (the gateway re-syncs these requests: what they computed is dropped), non-finite rows the
     contract's INVALID_ARGUMENT; the round's blocks were not given to the prefix cache."""
     try:
