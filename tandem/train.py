@@ -22,7 +22,7 @@ import torch
 
 from models.config import ModelConfig
 from tandem.train_data import EOS, held_windows, prepare_data, sample_batch, token_bytes, token_stream  # noqa: F401
-from tandem.train_model import autocast, build_models, evaluate, export, forward_losses
+from tandem.train_model import MOE_FORWARD, autocast, build_models, evaluate, export, forward_losses
 
 ARCH_1 = dict(  # edition 1, the first bundled model: ~15.5 M parameters with the MTP layer, 31 MB in bf16
     vocab_size=8192, hidden_size=256, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=8,
@@ -34,13 +34,19 @@ ARCH = dict(  # edition 2 (issue 18), bundled: 20 layers of 256, 23.5 M paramete
     q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,  # a target step
     intermediate_size=768, moe_intermediate_size=96, n_routed_experts=8, n_shared_experts=1,  # (CPU, batch 1-32)
     num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+ARCH_3 = {**ARCH, "num_hidden_layers": 40}  # edition 3 (issue 18, not trained yet): twice as deep, 40.8 M + 1.05 M
+# parameters, 46.7 MiB exported in fp8: a target step is ~2x edition 2's where steps are launch-bound (the H200),
+# so the one-layer MTP step is half the fraction of it; routed experts grouped (a step's MoE FLOPs / 4)
 # --edition: the shape, schedule, pre-tokenizer ("gpt2": byte-level pre-tokens, GPT-2's split; "code": models/tiny.py
 # CODE_SPLIT, a line break its own pre-token), residual init (depth_init: output projections at std / sqrt(2 x
 # layers), as GPT-2) and MTP objective of each bundled model; other flags override them. Edition 2 also wants
 # --extra (`tandem corpus`'s extra/): without it, it trains on the stdlib alone
-EDITIONS = {1: dict(arch=ARCH_1, lr=2e-3, max_steps=0, eval_every=500, pre_tokens="gpt2", depth_init=False),
-            2: dict(arch=ARCH, lr=2e-3, max_steps=0, eval_every=250, pre_tokens="code", depth_init=True,
-                    corpus_repeat=2, mtp_depths=3, chain_rows=16, train_minutes=6.55, max_minutes=9.3, reserve_s=30.0)}
+EDITIONS = {1: dict(arch=ARCH_1, lr=2e-3, max_steps=0, eval_every=500, pre_tokens="gpt2", depth_init=False, moe="dense"),
+            2: dict(arch=ARCH, lr=2e-3, max_steps=0, eval_every=250, pre_tokens="code", depth_init=True, moe="dense",
+                    corpus_repeat=2, mtp_depths=3, chain_rows=16, train_minutes=6.55, max_minutes=9.3, reserve_s=30.0),
+            3: dict(arch=ARCH_3, lr=1.5e-3, max_steps=0, eval_every=500, pre_tokens="code", depth_init=True, moe="grouped",
+                    corpus_repeat=2, mtp_depths=3, chain_rows=16, train_minutes=15.0, max_minutes=9.3, reserve_s=45.0,
+                    export_fp8=True)}
 
 
 @dataclass
@@ -81,6 +87,7 @@ class TrainConfig:
     compile: bool = False
     depth_init: bool = False                  # set by --edition
     export_fp8: bool = False                  # the export in DeepSeek's fp8 block format (train_model.export)
+    moe: str = "grouped"                      # routed experts: "grouped" (top-k rows, grouped GEMMs) or "dense" (all)
 
 
 def model_config(c: TrainConfig) -> dict:
@@ -99,9 +106,10 @@ def pre_tokenizer(c: TrainConfig):
 
 
 def schedule_progress(run: dict, c: TrainConfig) -> float:
-    # the schedule's position, 0..1: steps of max_steps, or training time after the first (compiling) step of the budget
+    # the schedule's position, 0..1: steps of max_steps, or training time after the first (compiling) step of the budget;
+    # the first steps of --resume calls (compiling again) are not on its clock either
     first = run.get("first_s", 0.0)
-    by_time = (run["train_s"] - first) / max(run["budget_s"] - first, 1e-9)
+    by_time = (run["train_s"] - first - run.get("recompile_s", 0.0)) / max(run["budget_s"] - first, 1e-9)
     return max(by_time, run["step"] / c.max_steps if c.max_steps else 0.0)
 
 
@@ -118,6 +126,10 @@ def parse(argv: list[str]) -> TrainConfig:
     args = vars(p.parse_args(argv))
     if args["edition"] not in EDITIONS:
         p.error(f"--edition must be one of {sorted(EDITIONS)}, got {args['edition']}")
+    if args["moe"] not in MOE_FORWARD:
+        p.error(f"--moe must be one of {sorted(MOE_FORWARD)}, got {args['moe']!r}")
+    if args["moe"] == "grouped" and args["compile"] and not args["device"].startswith("cuda"):
+        p.error(f"--moe grouped with --compile true needs --device cuda (compiled grouped GEMMs are bf16), got {args['device']}")
     args["arch"] = {**edition["arch"], **{k: json.loads(v) for k, v in (a.split("=", 1) for a in args["arch"])}}
     return TrainConfig(**args)
 
@@ -129,7 +141,7 @@ def main(argv: list[str]) -> int:
     if state:  # continue the saved run with its config, except where and for how long
         keep = ("out", "work_dir", "resume", "device", "max_minutes", "reserve_s", "compile", "eval_every", "stop_step")
         c = TrainConfig(**{**state["cfg"], **{k: getattr(c, k) for k in keep}})
-    if c.edition == 2 and not c.extra:
+    if c.edition >= 2 and not c.extra:
         print("tandem train: no --extra: training on the stdlib alone, not the bundled model's recipe (its --extra "
               "is `tandem corpus`'s extra/ folder; the model card has the command)", file=sys.stderr, flush=True)
     out, work = Path(c.out), Path(c.work_dir)
@@ -189,6 +201,8 @@ def main(argv: list[str]) -> int:
             t_log, tok_log = now, run["tokens"]
         bar.update()
         run["train_s"] += time.time() - t_step
+        if steady is None and "first_s" in run:             # a --resume call's first step: compiling again
+            run["recompile_s"] = run.get("recompile_s", 0.0) + time.time() - t_step
         steady = steady or (run["tokens"], run["train_s"])  # after this process's first (compiling) step
         run.setdefault("first_s", run["train_s"])
         if run["step"] % c.eval_every == 0:

@@ -5,9 +5,10 @@ MTP gradient flows into the main model (no detach), as in DeepSeek-V3, and the M
 target's embedding and LM head Parameters. With mtp_depths > 1 the MTP layer is also trained the way the
 draft chains it when it proposes K tokens (services/draft/chain.py): depth d takes its own normed output of
 depth d - 1 and embed(token t+d) and predicts token t+d+1 (teacher-forced tokens: a chained draft only
-matters once the draft before it was accepted), weighted mtp_chain_lambda each. Routed experts run densely
-(every expert on every token, the gate zero off the top-k): the function and gradients of sparse routing,
-in three matmuls, no host sync.
+matters once the draft before it was accepted), weighted mtp_chain_lambda each. Routed experts run either
+densely (every expert on every token, the gate zero off the top-k: three matmuls, E / k times the routed FLOPs)
+or grouped (each token's k rows sorted by expert into groups padded to ALIGN rows, two grouped GEMMs): the same
+function and gradients; neither syncs with the host.
 """
 from __future__ import annotations
 
@@ -46,6 +47,44 @@ def dense_moe_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
     return y.view(shape)
 
 
+ALIGN = 16  # rows per expert group a multiple of this: the grouped GEMM's tiles (bf16 on Hopper) want aligned groups
+
+
+def grouped_moe_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
+    # x: [..., D] -> [..., D]; replaces MoE.forward on single-rank training modules; static shapes (compiles whole)
+    shape, x = x.shape, x.reshape(-1, x.shape[-1])                         # [N, D]
+    w, ids = self.gate(x)                                                  # [N, k] fp32, [N, k]
+    (N, k), E = ids.shape, self.num_experts
+    flat = ids.flatten()                                                   # [N*k] assignment n*k + j -> its expert
+    counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    if self.training:
+        self.expert_load += counts
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN                         # [E] each group's rows
+    ends = padded.cumsum(0)                                                # [E] group ends (grouped GEMM offsets)
+    order = flat.argsort(stable=True)                                      # [N*k] assignments by expert
+    by = flat[order]                                                       # [N*k] their experts, ascending
+    row = ends[by] - padded[by] + torch.arange(N * k, device=x.device) - (counts.cumsum(0) - counts)[by]
+    pos = torch.empty_like(row).scatter_(0, order, row)                    # [N*k] each assignment's padded row
+    P = N * k + E * ALIGN                                                  # padded rows: a static bound
+    token = torch.arange(N * k, device=x.device) // k                      # [N*k] each assignment's token
+    src = torch.full((P,), N, device=x.device).scatter_(0, pos, token)     # [P] each padded row's token
+    dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    rows = F.pad(x.to(dt), (0, 0, 0, 1))[src]                              # [P, D]; padding rows read a zero row
+    ex = [self.experts[str(e)] for e in range(E)]
+    w13 = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in ex]).to(dt)   # [E, 2I, D]
+    w2 = torch.stack([m.down_proj.weight for m in ex]).to(dt)             # [E, D, I]
+    offs = torch.cat([ends[:-1], ends.new_full((1,), P)]).to(torch.int32)  # the last group takes the spare zero rows
+    g, u = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs).chunk(2, -1)                  # [P, I] each
+    out = torch._grouped_mm(F.silu(g) * u, w2.transpose(1, 2), offs=offs)                         # [P, D]
+    y = (out[pos].view(N, k, -1) * w.to(dt)[..., None]).sum(1)            # [N, D] weighted, summed in top-k order
+    if hasattr(self, "shared_experts"):
+        y = y + self.shared_experts(x)
+    return y.view(shape)
+
+
+MOE_FORWARD = dict(dense=dense_moe_forward, grouped=grouped_moe_forward)
+
+
 def build_models(cfg: ModelConfig, c):
     """c: TrainConfig -> target, draft (sharing embedding and head), MoE modules, trainable parameters."""
     target = init_random_(build(TargetModel, cfg, device=c.device), c.seed).train()
@@ -61,7 +100,7 @@ def build_models(cfg: ModelConfig, c):
     for m in moes:  # the bias is moved by the load rule, never by gradients
         m.gate.e_score_correction_bias.requires_grad_(False).zero_()
         m.register_buffer("expert_load", torch.zeros(m.num_experts, device=c.device), persistent=False)
-        m.forward = dense_moe_forward.__get__(m)
+        m.forward = MOE_FORWARD[getattr(c, "moe", "dense")].__get__(m)
     return target, draft, moes, [p for p in params if p.requires_grad]
 
 

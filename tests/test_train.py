@@ -75,6 +75,32 @@ def test_chained_mtp_depths_line_up():
             assert torch.equal(same, mlogits[d - 1][:, t]) and not torch.allclose(other, mlogits[d - 1][:, t])
 
 
+@pytest.mark.parametrize("starve", [False, True])
+def test_grouped_experts_are_the_dense_experts(starve):
+    """--moe grouped (each token's top-k rows sorted into expert groups padded to ALIGN rows, two grouped GEMMs) is
+    the dense reference's function: the same output, gradients (input, router, every expert's weights) and expert
+    loads, also with an expert that no token picks (an empty group)."""
+    target = tiny_models()[0]
+    moe = next(m for m in target.modules() if isinstance(m, train_model.MoE))
+    if starve:
+        moe.gate.e_score_correction_bias[0] = -1e3                # noaux_tc: expert 0 is never chosen
+    x = torch.randn(3, 37, TINY["hidden_size"], generator=torch.Generator().manual_seed(1))
+    got = {}
+    for name, forward in train_model.MOE_FORWARD.items():
+        moe.expert_load.zero_(), moe.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = forward.__get__(moe)(xi)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        got[name] = dict(y=y.detach(), dx=xi.grad, load=moe.expert_load.clone(),
+                         **{n: p.grad.clone() for n, p in moe.named_parameters() if p.grad is not None})
+    dense, grouped = got["dense"], got["grouped"]
+    assert dense.keys() == grouped.keys() and "gate.weight" in dense and "experts.7.down_proj.weight" in dense
+    assert bool((dense["load"] == 0).any()) == starve and dense["load"].sum() == 3 * 37 * moe.gate.spec.top_k
+    for k, v in dense.items():
+        torch.testing.assert_close(grouped[k], v, rtol=1e-4, atol=1e-6, msg=k)
+    assert grouped["y"].abs().max() > 1e-3 and grouped["experts.3.gate_proj.weight"].abs().max() > 0
+
+
 def test_depth_init_scales_the_residual_outputs():
     scaled, plain = tiny_models(True)[0], tiny_models(False)[0]
     L = TINY["num_hidden_layers"]
@@ -88,6 +114,8 @@ def test_schedule_time_starts_after_the_compiling_step():
     c = train.parse([])
     assert train.schedule_progress(dict(step=1, train_s=50.0, budget_s=350.0), c) == pytest.approx(50 / 350)
     assert train.schedule_progress(dict(step=9, train_s=200.0, budget_s=350.0, first_s=50.0), c) == 0.5
+    # a --resume call compiles again: its first step is not on the clock either
+    assert train.schedule_progress(dict(step=9, train_s=260.0, budget_s=350.0, first_s=50.0, recompile_s=60.0), c) == 0.5
     c.max_steps = 10
     assert train.schedule_progress(dict(step=9, train_s=200.0, budget_s=350.0, first_s=50.0), c) == 0.9
 
@@ -100,6 +128,11 @@ def test_editions():
     assert two.arch == train.ARCH and (two.lr, two.mtp_depths, two.corpus_repeat, two.train_minutes) == (1e-3, 3, 2, 6.55)
     assert json.loads((Path(__file__).parents[1] / "checkpoints/tandem-code-mini/config.json").read_text())[
         "num_hidden_layers"] == two.arch["num_hidden_layers"] == train.TrainConfig().arch["num_hidden_layers"]
+    three = train.parse(["--edition", "3"])                 # not shipped yet: deeper, grouped experts, fp8 export
+    assert (one.moe, two.moe, three.moe, three.export_fp8, three.arch["num_hidden_layers"]) == (
+        "dense", "dense", "grouped", True, 40)
+    with pytest.raises(SystemExit):                          # compiled grouped GEMMs are bf16 (CUDA)
+        train.parse(["--edition", "3", "--compile", "true", "--device", "cpu"])
 
 
 def test_train_exports_a_servable_checkpoint(trained):
@@ -164,7 +197,7 @@ def test_a_run_split_over_two_calls_ends_where_one_call_ends(tmp_path, capsys):
     args = [f"--arch={k}={v}" for k, v in TINY.items()] + [
         "--max-files", "24", "--seq-len", "32", "--batch-size", "4", "--micro-batch", "2", "--max-steps", "6",
         "--eval-every", "3", "--eval-seqs", "4", "--warmup-steps", "2", "--max-minutes", "5", "--reserve-s", "1",
-        "--device", "cpu", "--edition", "2", "--mtp-depths", "1"]
+        "--device", "cpu", "--edition", "2", "--mtp-depths", "1", "--moe", "grouped"]
     assert train.main(args + ["--out", str(tmp_path / "one"), "--work-dir", str(tmp_path / "w1")]) == 0
     assert train.main(args + ["--out", str(tmp_path / "two"), "--work-dir", str(tmp_path / "w2"), "--stop-step", "3"]) == 0
     assert "stopped at step 3, 50 % of the schedule" in capsys.readouterr().err
