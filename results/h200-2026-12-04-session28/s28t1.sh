@@ -1,9 +1,9 @@
 # session 28's plan, call T1 of 3 (issue 18, the third edition): the grouped experts' GPU tests (failing: dense), then
 # `tandem train --edition 3` for this call's 7 minutes (the schedule, 15 minutes of training, spans T1-T3 with
-# --resume: the machine must stay warm between calls, build/w3 is on it). Carry [".gpu", "build/corpus"];
-# move results/ and checkpoints/ out of the tree first. The image's packages only.
-set +e
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+# --resume: the machine must stay warm between calls, build/w3 is on it). Carry [".whl", ".gpu", "build/corpus"]
+# (the tests' conftest needs the wheels and the protobuf stubs: common.sh); move results/ and checkpoints/ out first.
+source .gpu/common.sh
+export TOKENIZERS_PARALLELISM=true          # common.sh turns it off (for the services); the corpus' tokenizing wants it
 T0=$(date +%s); R=$OUT/r; mkdir -p $R
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a $R/run.log; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> $R/run.log
