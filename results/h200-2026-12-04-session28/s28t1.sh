@@ -1,5 +1,5 @@
 # session 28's plan, call T1 of 3 (issue 18, the third edition): the grouped experts' GPU tests (failing: dense), then
-# `tandem train --edition 3` for this call's 7 minutes (the schedule, 15 minutes of training, spans T1-T3 with
+# `tandem train --edition 3` for this call's 6 minutes (the schedule, 13 minutes of training, spans T1-T3 with
 # --resume: the machine must stay warm between calls, build/w3 is on it). Carry [".whl", ".gpu", "build/corpus"]
 # (the tests' conftest needs the wheels and the protobuf stubs: common.sh); move results/ and checkpoints/ out first.
 source .gpu/common.sh
@@ -11,8 +11,8 @@ log "1. corpus: unpack"; mkdir -p /tmp/c && tar xJf build/corpus/python-code.tar
 log "2. GPU tests of the grouped experts"; MOE=grouped
 timeout 150 python3 -m pytest -q tests/test_gpu_train.py >> $R/run.log 2>&1 || { MOE=dense; log "failed: --moe dense"; }
 log "3. train (T1)"
-timeout -k 5 440 python3 -m tandem train --edition 3 --moe $MOE --corpus /tmp/c/stdlib --extra /tmp/c/extra --compile true \
-  --out build/ck3 --work-dir build/w3 --max-minutes 7.0 >> $R/train.log 2>&1; echo "train rc=$?" | tee -a $R/run.log
+timeout -k 5 380 python3 -m tandem train --edition 3 --moe $MOE --corpus /tmp/c/stdlib --extra /tmp/c/extra --compile true \
+  --out build/ck3 --work-dir build/w3 --max-minutes 6.0 >> $R/train.log 2>&1; echo "train rc=$?" | tee -a $R/run.log
 grep -v "step \[\|step/s\|s/step" $R/train.log | tail -30 >> $R/run.log
 log "4. pack"; cp build/ck3/train_log.json $R/ 2>/dev/null
 tar cf - -C build ck3 | split -b 15000000 -d - $OUT/ck.tar.part-
