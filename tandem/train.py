@@ -87,7 +87,7 @@ class TrainConfig:
     compile: bool = False
     depth_init: bool = False                  # set by --edition
     export_fp8: bool = False                  # the export in DeepSeek's fp8 block format (train_model.export)
-    moe: str = "grouped"                      # routed experts: "grouped" (top-k rows, grouped GEMMs) or "dense" (all)
+    moe: str = "dense"                        # routed experts: "dense" (all, gated) or "grouped" (top-k rows, grouped GEMMs)
 
 
 def model_config(c: TrainConfig) -> dict:
