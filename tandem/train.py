@@ -45,7 +45,7 @@ EDITIONS = {1: dict(arch=ARCH_1, lr=2e-3, max_steps=0, eval_every=500, pre_token
             2: dict(arch=ARCH, lr=2e-3, max_steps=0, eval_every=250, pre_tokens="code", depth_init=True, moe="dense",
                     corpus_repeat=2, mtp_depths=3, chain_rows=16, train_minutes=6.55, max_minutes=9.3, reserve_s=30.0),
             3: dict(arch=ARCH_3, lr=1.5e-3, max_steps=0, eval_every=500, pre_tokens="code", depth_init=True, moe="grouped",
-                    corpus_repeat=2, mtp_depths=3, chain_rows=16, train_minutes=13.0, max_minutes=9.3, reserve_s=45.0,
+                    corpus_repeat=2, mtp_depths=3, chain_rows=16, train_minutes=14.0, max_minutes=9.3, reserve_s=45.0,
                     export_fp8=True)}
 
 

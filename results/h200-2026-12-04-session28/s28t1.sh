@@ -1,5 +1,5 @@
 # session 28's plan, call T1 of 3 (issue 18, the third edition): the grouped experts' GPU tests (failing: dense), then
-# `tandem train --edition 3` for this call's 6 minutes (the schedule, 13 minutes of training, spans T1-T3 with
+# `tandem train --edition 3` for this call's 6 minutes (the schedule, 14 minutes less the first compile, spans T1-T3 with
 # --resume: the machine must stay warm between calls, build/w3 is on it). Carry [".whl", ".gpu", "build/corpus"]
 # (the tests' conftest needs the wheels and the protobuf stubs: common.sh); move results/ and checkpoints/ out first.
 source .gpu/common.sh
