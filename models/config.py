@@ -31,7 +31,8 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 V32_INDEXER_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
 # How the linear layers hold their weights (--quantization): none = the serving dtype; fp8 = DeepSeek's e4m3
-# with a scale per 128x128 block (kernels/fp8.py); auto = the checkpoint's own (config.json quantization_config)
+# with a scale per 128x128 block (kernels/fp8.py); auto = the checkpoint's own (config.json quantization_config),
+# dequantized on a CPU
 QUANTIZATIONS = ("auto", "none", "fp8")
 
 
@@ -94,11 +95,15 @@ class ModelConfig:
         """DeepSeek-V3.2: each query attends only the index_topk keys its layer's indexer selects."""
         return self.index_topk is not None
 
-    def quantized(self, quantization: str) -> "ModelConfig":
-        """This config with --quantization applied (auto: unchanged, the checkpoint's own format)."""
+    def quantized(self, quantization: str, device: str = "") -> "ModelConfig":
+        """This config with --quantization applied. auto: the checkpoint's own format, except that on a CPU `device`
+        an fp8 checkpoint is dequantized (the reference path: its fp8 linears cost ~3x a wide matmul there); an
+        explicit fp8 keeps fp8 on any device."""
         if quantization not in QUANTIZATIONS:
             raise ConfigError(f"--quantization must be one of {'|'.join(QUANTIZATIONS)}, got {quantization!r}")
-        return self if quantization == "auto" else replace(self, quantization=quantization)
+        if quantization == "auto":
+            return replace(self, quantization="none") if str(device).startswith("cpu") else self
+        return replace(self, quantization=quantization)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace

@@ -206,7 +206,7 @@ def build(cls, cfg: ModelConfig, ps: ParallelState = SINGLE, dtype=torch.float32
 def load_model(cls, path: str | Path, ps: ParallelState = SINGLE, dtype=torch.float32, device="cpu",
                quantization: str = "auto"):
     """cls of the checkpoint at `path`; quantization (models/config.QUANTIZATIONS) overrides its own format."""
-    cfg = ModelConfig.from_file(path).quantized(quantization)
+    cfg = ModelConfig.from_file(path).quantized(quantization, device)
     model = build(cls, cfg, ps, dtype, device)
     load_weights(model, path)
     return model

@@ -155,7 +155,7 @@ def build_random(cls, model: str, ps=None, dtype=None, device="cpu", quantizatio
     from models.loader import build
     from models.parallel import SINGLE
     name, seed = parse_random_id(model)
-    m = build(cls, preset_config(name).quantized(quantization), ps or SINGLE, dtype or torch.float32, device)
+    m = build(cls, preset_config(name).quantized(quantization, device), ps or SINGLE, dtype or torch.float32, device)
     return init_random_on_device_(m, seed)
 
 

@@ -34,8 +34,8 @@ FLAG_HELP = {
     "quantization": "weights of this service's model: fp8 (DeepSeek's e4m3 with a scale per 128x128 block: MLA "
                     "projections, dense MLPs, shared and routed experts; norms, router, attention core and LM head keep "
                     "--dtype; an fp8 checkpoint is kept as stored, a wider one quantized at load), none (every weight in "
-                    "--dtype; an fp8 checkpoint is dequantized) or auto (the checkpoint's own format). The draft's flag "
-                    "is its own: its MTP layer may run fp8 or not whatever the target does",
+                    "--dtype; an fp8 checkpoint is dequantized) or auto (the checkpoint's own format; on a CPU "
+                    "dequantized). The draft's flag is its own: its MTP layer may run fp8 or not whatever the target does",
     "draft_q_mass": f"draft: a sampled draft token is drawn from the draft's distribution cut to its most probable "
                     f"tokens of this mass (at most {DRAFT_Q_WIDTH}), and only those travel to the target (a few KB "
                     "a token instead of 4 x vocab bytes); output stays distributed as the target's, acceptance loses "

@@ -50,14 +50,14 @@ def load_part(a) -> tuple[list[dict], str]:
         import json
         from pathlib import Path
         (Path(d) / "config.json").write_text(json.dumps(raw))
-        for q in ("auto", "none"):
+        for q in ("fp8", "none"):
             _free(a.device)
             base = torch.cuda.memory_allocated() if cuda else 0
             torch.cuda.reset_peak_memory_stats() if cuda else None
             m = load_model(TargetModel, d, dtype=_dtype(a.device), device=a.device, quantization=q)
             peak = torch.cuda.max_memory_allocated() - base if cuda else None
             held = weight_bytes(m)
-            rows.append({"load": "fp8 kept" if q == "auto" else "dequantized (--quantization none)",
+            rows.append({"load": "fp8 kept" if q == "fp8" else "dequantized (--quantization none)",
                          "weights_gb": held / 1e9, "peak_gb": None if peak is None else peak / 1e9,
                          "peak_over_weights": None if peak is None else peak / held})
             del m

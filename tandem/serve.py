@@ -111,7 +111,7 @@ def parse(argv):
                    "deployed (Hadamard + fp8 keys, as DeepSeek's kernels), auto: deployed on cuda, exact on cpu")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help="target weights: fp8 (DeepSeek's "
                    "e4m3, a scale per 128x128 block; a bf16 checkpoint or preset is quantized at load), none (--dtype; "
-                   "an fp8 checkpoint is dequantized), auto (the checkpoint's own format)")
+                   "an fp8 checkpoint is dequantized), auto (the checkpoint's own format; on a CPU dequantized)")
     p.add_argument("--draft-quantization", default="", choices=("",) + QUANTIZATIONS, help="the MTP draft's "
                    "weights, its own switch (default: --quantization): fp8 MTP layers are measured, not assumed, to "
                    "keep acceptance (tandem bench fp8 --accuracy)")

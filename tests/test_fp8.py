@@ -76,7 +76,7 @@ def test_fp8_checkpoint_loads_as_stored_and_never_wider(ckpt, tmp_path, monkeypa
         reads.append((name, raw))
         return read(self, name, index, raw)
     monkeypatch.setattr(Checkpoint, "read", spy)
-    m = load_model(TargetModel, tmp_path)                                  # auto: the checkpoint's fp8
+    m = load_model(TargetModel, tmp_path, quantization="fp8")              # as stored (auto on a GPU)
     params = dict(m.named_parameters())
     for n in fp8_params(m):
         assert torch.equal(params[n].view(torch.uint8), tensors[n].view(torch.uint8)), n
@@ -88,7 +88,10 @@ def test_fp8_checkpoint_loads_as_stored_and_never_wider(ckpt, tmp_path, monkeypa
     wide = load_model(TargetModel, tmp_path, quantization="none")           # dequantized at load, as before
     assert not fp8_params(wide)
     assert greedy_generate(m, [5, 6, 7], 6) == greedy_generate(m, [5, 6, 7], 6)
-    draft = load_model(DraftModel, tmp_path)
+    auto = load_model(TargetModel, tmp_path)                # auto on a CPU: dequantized, the reference path
+    assert not fp8_params(auto) and all(torch.equal(a, b) for a, b in zip(auto.state_dict().values(),
+                                                                          wide.state_dict().values()))
+    draft = load_model(DraftModel, tmp_path, quantization="fp8")
     assert fp8_params(draft) and draft.mtp[0].eh_proj.weight.dtype == torch.float32
 
 
