@@ -34,7 +34,7 @@ ARCH = dict(  # edition 2 (issue 18), bundled: 20 layers of 256, 23.5 M paramete
     q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,  # a target step
     intermediate_size=768, moe_intermediate_size=96, n_routed_experts=8, n_shared_experts=1,  # (CPU, batch 1-32)
     num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5)
-ARCH_3 = {**ARCH, "num_hidden_layers": 40}  # edition 3 (issue 18, not trained yet): twice as deep, 40.8 M + 1.05 M
+ARCH_3 = {**ARCH, "num_hidden_layers": 40}  # edition 3 (issue 18, trained, not adopted): twice as deep, 40.8 M + 1.05 M
 # parameters, 46.7 MiB exported in fp8: a target step is ~2x edition 2's where steps are launch-bound (the H200),
 # so the one-layer MTP step is half the fraction of it; routed experts grouped (a step's MoE FLOPs / 4)
 # --edition: the shape, schedule, pre-tokenizer ("gpt2": byte-level pre-tokens, GPT-2's split; "code": models/tiny.py

@@ -128,7 +128,7 @@ def test_editions():
     assert two.arch == train.ARCH and (two.lr, two.mtp_depths, two.corpus_repeat, two.train_minutes) == (1e-3, 3, 2, 6.55)
     assert json.loads((Path(__file__).parents[1] / "checkpoints/tandem-code-mini/config.json").read_text())[
         "num_hidden_layers"] == two.arch["num_hidden_layers"] == train.TrainConfig().arch["num_hidden_layers"]
-    three = train.parse(["--edition", "3"])                 # not shipped yet: deeper, grouped experts, fp8 export
+    three = train.parse(["--edition", "3"])                 # not shipped: deeper, grouped experts, fp8 export
     assert (one.moe, two.moe, three.moe, three.export_fp8, three.arch["num_hidden_layers"]) == (
         "dense", "dense", "grouped", True, 40)
     with pytest.raises(SystemExit):                          # compiled grouped GEMMs are bf16 (CUDA)
