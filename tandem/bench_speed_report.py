@@ -11,6 +11,10 @@ taken by the service's stream handler) / response (built by the handler -> read 
 services' CLOCK_MONOTONIC stamps (CallTiming received_at / answered_at: services on the gateway's host), then
 the handlers' time around their timed work (service: lock, parsing, checks, building the response); the rest
 of the overhead is the gateway's own work around the calls.
+
+Batch slots filled: the request-rounds the gateway counted (tandem:spec_decode_chosen_k) over rounds x batch. A
+finite run fills and drains its batch; at K > 0 requests of the same length finish rounds apart, so the drain
+is longer than at K = 0 and a K > 0 row's tokens/s (and its speedup) are below what a server kept full would give.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from pathlib import Path
 
 def table(rows: list[dict]) -> str:
     inproc = any("inprocess_tokens_per_s" in r for r in rows)
-    head = ["acceptance", "batch", "K", "served tok/s", "run spread", "speedup vs K=0", "mean acc. length", "round ms", "propose ms",
+    head = ["acceptance", "batch", "K", "served tok/s", "run spread", "speedup vs K=0", "mean acc. length",
+            "batch slots filled", "round ms", "propose ms",
             "transfer ms", "draft compute ms", "verify ms", "target compute ms", "RPC overhead ms (draft / target)",
             "hops ms (request / response / service)", "gateway ms",
             "between rounds ms", "re-probes"]
@@ -34,7 +39,8 @@ def table(rows: list[dict]) -> str:
         rpc = f"{draft + target:.2f} ({draft:.2f} / {target:.2f})" if s else ""
         cells = [r["acceptance"], r["batch"], k_name(r, True), f"{r['tokens_per_s']:.1f}",
                  f"{r['spread']:.0%}" if len(r.get("tokens_per_s_runs", [])) > 1 else "", f"{r['speedup']:.2f}",
-                 f"{r['mean_acceptance_length']:.2f}", ms("round"), ms("propose"), ms("transfer"),
+                 f"{r['mean_acceptance_length']:.2f}",
+                 f"{r['slots_filled']:.0%}" if r.get("slots_filled") is not None else "", ms("round"), ms("propose"), ms("transfer"),
                  ms("draft_compute"), ms("verify"), ms("target_compute"), rpc, hops(s), ms("gateway"),
                  f"{s['between']:.2f}" if "between" in s else "", r.get("reprobes", "")]
         if inproc:

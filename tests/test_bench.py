@@ -109,7 +109,7 @@ def test_bench_speed_served_split_and_inprocess(tmp_path):
     assert "BENCHMARK ONLY" in proc.stderr and "WARNING" in proc.stderr
     md = (tmp_path / "speed.md").read_text()
     for col in ("propose ms", "transfer ms", "verify ms", "gateway ms", "served / in-process", "BENCHMARK ONLY",
-                "ideal round ms", "served of ideal"):
+                "ideal round ms", "served of ideal", "batch slots filled"):
         assert col in md, col
     rows = json.loads((tmp_path / "speed.json").read_text())
     assert [(r["acceptance"], r["batch"], r["k"]) for r in rows] == [
@@ -118,6 +118,7 @@ def test_bench_speed_served_split_and_inprocess(tmp_path):
         assert r["verify_floor_ms"] > 0 and (r["draft_floor_ms"] > 0) == (r["k"] > 0)
         assert 0 < r["of_ideal"] <= 1.05, r                 # nothing beats its byte floor (measured bandwidth)
         assert r["tokens"] == 8 * r["batch"] and r["rounds"] > 0
+        assert 0 < r["slots_filled"] <= 1, r                # request-rounds over rounds x batch
         s = r["ms_per_round"]
         assert s["round"] > 0 and s["verify"] > s["target_compute"] > 0
         # overlapped rounds: "propose" is the wait the commit did not hide, so it may be below draft compute. At
