@@ -99,8 +99,8 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
     return {"k": k, "batch": batch, "mean_k": ks[0] / ks[1] if ks[1] else float(k), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0, "rounds": int(rounds),
-            # the rounds' batch slots that held a request (request-rounds / (rounds x batch)): below 1 while a
-            # batch fills and drains (requests finish rounds apart at K > 0), so tokens/s is below batch x MAL / round
+            # the rounds' batch slots that held a decoding request (request-rounds / (rounds x batch)): below 1
+            # while clients turn over and the run fills and drains (tandem/bench_speed_report.py)
             "slots_filled": ks[1] / (rounds * batch) if rounds else None,
             "reprobes": int(after.get("reprobes", [0])[0] - before.get("reprobes", [0])[0]),
             "p50_request_s": sorted(t for _, t in results)[len(results) // 2], "ms_per_round": split}

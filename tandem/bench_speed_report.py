@@ -12,9 +12,11 @@ services' CLOCK_MONOTONIC stamps (CallTiming received_at / answered_at: services
 the handlers' time around their timed work (service: lock, parsing, checks, building the response); the rest
 of the overhead is the gateway's own work around the calls.
 
-Batch slots filled: the request-rounds the gateway counted (tandem:spec_decode_chosen_k) over rounds x batch. A
-finite run fills and drains its batch; at K > 0 requests of the same length finish rounds apart, so the drain
-is longer than at K = 0 and a K > 0 row's tokens/s (and its speedup) are below what a server kept full would give.
+Batch slots filled: the decoding request-rounds the gateway counted (tandem:spec_decode_chosen_k) over rounds x
+batch. A slot is empty while its client turns over (a finished request's answer -> the next request -> its prompt
+rides a Verify, not counted, and it joins the round after) and while the run fills and drains. Those cost about
+the same rounds at any K, and a request takes ~MAL times fewer rounds at K > 0, so a K > 0 row fills fewer of its
+slots than K = 0 does: its speedup is below what a server with requests waiting would give.
 """
 from __future__ import annotations
 
