@@ -240,7 +240,8 @@ def add_roofline(rows: list[dict], model: str, a) -> float:
     context = a.prompt_tokens + a.max_tokens // 2                       # mean cached positions while decoding
     for r in rows:            # adaptive rows: the floor at the nearest whole k to the mean they drafted
         k = round(r["mean_k"]) if r.get("speculation", "").startswith("adaptive") else r["k"]
-        r.update(round_floor_ms(model, dtype, r["batch"], k, context, bw, a.quantization, a.draft_quantization))
+        r.update(round_floor_ms(model, dtype, r["batch"], k, context, bw, a.quantization, a.draft_quantization,
+                                device))
         r["ideal_tokens_per_s"] = r["batch"] * r["mean_acceptance_length"] / (r["ideal_round_ms"] / 1000)
         r["of_ideal"] = r["tokens_per_s"] / r["ideal_tokens_per_s"]
     if device.startswith("cuda"):

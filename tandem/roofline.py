@@ -63,19 +63,20 @@ def step_bytes(s: Shapes, cfg, batch: int, tokens_per_request: int, context: int
 
 
 @functools.lru_cache(maxsize=8)
-def model_shapes(model: str, dtype: torch.dtype, quantization: str = "auto", draft_quantization: str = ""):
-    """(config, target Shapes, draft Shapes) of a model id, counted once."""
+def model_shapes(model: str, dtype: torch.dtype, quantization: str = "auto", draft_quantization: str = "",
+                 device: str = ""):
+    """(config, target Shapes, draft Shapes) of a model id as `device` holds it (ModelConfig.quantized), once."""
     from models.model import DraftModel, TargetModel
     from models.presets import model_config
     cfg = model_config(model)
-    return (cfg, shapes(TargetModel, cfg.quantized(quantization), dtype),
-            shapes(DraftModel, cfg.quantized(draft_quantization or quantization), dtype))
+    return (cfg, shapes(TargetModel, cfg.quantized(quantization, device), dtype),
+            shapes(DraftModel, cfg.quantized(draft_quantization or quantization, device), dtype))
 
 
 def round_floor_ms(model: str, dtype: torch.dtype, batch: int, k: int, context: int, bandwidth: float,
-                   quantization: str = "auto", draft_quantization: str = "") -> dict:
+                   quantization: str = "auto", draft_quantization: str = "", device: str = "") -> dict:
     """Floors in ms of the verify step (K + 1 tokens per request) and of K draft steps, and their sum."""
-    cfg, target, draft_shapes = model_shapes(model, dtype, quantization, draft_quantization)
+    cfg, target, draft_shapes = model_shapes(model, dtype, quantization, draft_quantization, device)
     verify = step_bytes(target, cfg, batch, k + 1, context) / bandwidth
     draft = k * step_bytes(draft_shapes, cfg, batch, 1, context) / bandwidth if k else 0.0
     return {"verify_floor_ms": 1000 * verify, "draft_floor_ms": 1000 * draft, "ideal_round_ms": 1000 * (verify + draft)}

@@ -142,3 +142,13 @@ def test_served_fp8_target_speculation_equals_its_plain_decoding(ckpt, tmp_path)
                 accepted += r.spec_stats.num_accepted_tokens
             assert outs[0] == outs[3] == w, (p, outs, w)
     assert accepted > 0
+
+
+def test_the_roofline_counts_the_bytes_each_device_holds():
+    """`auto` keeps an fp8 preset fp8 on a GPU and dequantizes it on a CPU: the byte floor follows."""
+    from tandem.roofline import round_floor_ms
+    floors = {d: round_floor_ms("random:v2-lite-fp8:seed=0", torch.bfloat16, 1, 0, 64, 1e12, device=d)["verify_floor_ms"]
+              for d in ("cpu", "cuda:0")}
+    assert floors["cpu"] > 1.5 * floors["cuda:0"], floors
+    assert round_floor_ms("random:v2-lite-fp8:seed=0", torch.bfloat16, 1, 0, 64, 1e12, "none",
+                          device="cuda:0")["verify_floor_ms"] == floors["cpu"]
