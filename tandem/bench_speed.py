@@ -18,7 +18,10 @@ draft: tandem/bench.py add_gateway; the adaptive rows cap k at the largest of --
     tandem bench speed --speculation fixed,adaptive --ks 0,1,2,3 --workload mixed
     tandem bench speed --speculation fixed,adaptive --synthetic-acceptance 0.92,0.72,0.36 --synthetic-acceptance 0.02
 
-Requests sent as token ids (seeded 1000 + i), ignore_eos, greedy unless --workload mixed. Unknown flags go to
+Requests sent as token ids (seeded 1000 + i), ignore_eos, greedy unless --workload mixed. Clients: `batch`
+threads, each sending its next request when its last one answers (--clients closed, the default), or every
+request at once to a gateway that runs at most `batch` a round (--clients queued: each batch size its own gateway
+with --max-batch, a server at capacity: a finished request's slot goes to a waiting one). Unknown flags go to
 `tandem serve`.
 """
 from __future__ import annotations
@@ -60,12 +63,13 @@ def scrape(http_addr: str) -> dict[str, list[float]]:
 
 
 def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, batch: int, max_tokens: int,
-               mixed: bool = False) -> dict:
+               mixed: bool = False, clients: int = 0) -> dict:
     """`batch` concurrent requests at a time until every prompt is done (after one warm-up batch, and every
     other prompt once at this k for 2 tokens); greedy, or (mixed) every other one sampled at temperature 1.
     The short pass puts every prompt in both services' prefix caches before each row, so every row decodes with
     warm caches (before k = 0 prompts were fed to the draft, a K > 0 row after a K = 0 row found their prefixes
-    on the target alone and waited on a recovery each: gateway/prefix_recovery.py)."""
+    on the target alone and waited on a recovery each: gateway/prefix_recovery.py). clients > batch: that many
+    threads (a gateway started with --max-batch batch queues the rest)."""
     def one(i_ids, tokens=max_tokens):
         i, ids = i_ids
         t0 = time.perf_counter()
@@ -73,7 +77,7 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
             token_ids=generate_pb2.TokenIds(ids=ids), max_tokens=tokens, ignore_eos=True, seed=1000 + i,
             temperature=1.0 if mixed and i % 2 else 0.0, num_speculative_tokens=k), timeout=900)
         return r, time.perf_counter() - t0
-    with ThreadPoolExecutor(batch) as pool:
+    with ThreadPoolExecutor(max(batch, clients)) as pool:
         list(pool.map(one, enumerate(prompts[:batch])))                    # warm-up
         list(pool.map(partial(one, tokens=2), enumerate(prompts[batch:])))  # prefix caches
         before = scrape(http_addr) if http_addr else {}
@@ -143,6 +147,9 @@ def parse(argv):
                    "at temperature 1 (the synthetic acceptance applies to greedy ones only)")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--requests-per-batch", type=int, default=2, help="requests = this x batch size")
+    p.add_argument("--clients", default="closed", choices=["closed", "queued"], help="closed: batch clients, each "
+                   "sending its next request when one answers; queued: every request at once, the gateway (one a "
+                   "batch size, --max-batch) running batch of them a round")
     p.add_argument("--repeats", type=int, default=1, help="measure each row this many times (interleaved); the "
                    "table gives the mean and the spread (max - min) / mean")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -166,25 +173,34 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
         serve_args += ["--random-config", a.random_config, "--seed", str(a.seed)]
     if profile:
         serve_args += ["--synthetic-acceptance", profile]
-    clusters = {}                                   # mode -> (process or None, gateway, metrics address)
+    batches = [int(x) for x in a.batches.split(",")]
+    if a.clients == "queued" and a.gateway:
+        raise SystemExit("tandem bench speed: --clients queued starts a gateway per batch size (--max-batch), so "
+                         "not with --gateway")
+    per_batch = a.clients == "queued"               # a gateway per (mode, batch size), --max-batch it
+    clusters = {}                           # (mode, batch or None) -> (process or None, gateway, metrics address)
     runs, inproc = {}, {}                           # (mode, batch, k) -> served runs; (batch, k) -> in-process runs
     engines = None
     if a.in_process and a.device == "cpu":          # CPU: in process between the served repeats (drift alike)
         from tandem.bench_inprocess import grid_engines, measure
         engines = grid_engines(model, a, profile)
     try:
-        for i, mode in enumerate(modes):            # one target and draft; a gateway per mode
-            how = start_cluster if i == 0 else partial(add_gateway, clusters[modes[0]][0])
-            clusters[mode] = ((None, a.gateway, a.metrics) if a.gateway else
-                              how(None if rid else model, max(ks), serve_args + extra + mode_args(mode)))
+        for mode in modes:                          # one target and draft; a gateway per mode (and batch size)
+            for b in batches if per_batch else [None]:
+                how = partial(add_gateway, next(iter(clusters.values()))[0]) if clusters else start_cluster
+                cap = ["--max-batch", str(b), "--max-waiting", str(b * a.requests_per_batch)] if b else []
+                clusters[mode, b] = ((None, a.gateway, a.metrics) if a.gateway else
+                                     how(None if rid else model, max(ks), serve_args + extra + mode_args(mode) + cap))
         stubs = {m: generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(c[1])) for m, c in clusters.items()}
-        for b in (int(x) for x in a.batches.split(",")):
+        for b in batches:
             prompts = bench_prompts(model, b * a.requests_per_batch, a.prompt_tokens, seed=b)
             for rep in range(a.repeats):
                 for mode in (modes if rep % 2 == 0 else modes[::-1]):      # each mode first every other repeat
                     for k in (ks if mode.startswith("fixed") else [max(ks)]):
-                        r = run_served(stubs[mode], clusters[mode][2], prompts, k, b, a.max_tokens, a.workload == "mixed")
-                        r.update(acceptance=profile or "model", speculation=mode, workload=a.workload)
+                        key = (mode, b if per_batch else None)
+                        r = run_served(stubs[key], clusters[key][2], prompts, k, b, a.max_tokens, a.workload == "mixed",
+                                       len(prompts) if a.clients == "queued" else 0)
+                        r.update(acceptance=profile or "model", speculation=mode, workload=a.workload, clients=a.clients)
                         runs.setdefault((mode, b, k), []).append(r)
                         print(f"served {r['acceptance']} batch {b:3d} {mode} K={k}: {r['tokens_per_s']:9.1f} tok/s  MAL "
                               f"{r['mean_acceptance_length']:.2f}  mean k {r['mean_k']:.2f}  ms/round "
@@ -265,8 +281,9 @@ def main(argv=None) -> int:
              "after the real forward; outputs are not the model's)" if any(profiles) else "")
     load = "greedy" if a.workload == "greedy" else "mixed (every other request T=1)"
     md = (f"Speed of {model} on {a.device} ({time.strftime('%Y-%m-%d')}), {load}, {a.prompt_tokens}-token prompts, "
-          f"{a.max_tokens} new tokens, {a.requests_per_batch} x batch requests after one warm-up batch (and every "
-          f"prompt once for 2 tokens){synth}\n"
+          f"{a.max_tokens} new tokens, {a.requests_per_batch} x batch requests "
+          f"{'sent at once, at most batch a round (--max-batch)' if a.clients == 'queued' else 'from batch clients'} "
+          f"after one warm-up batch (and every prompt once for 2 tokens){synth}\n"
           f"`tandem bench speed {' '.join(argv or [])}`\n\n" + table(rows) + "\n\n"
           "ms per round: propose / verify are the RPC walls seen by the gateway; transfer and draft compute are "
           "inside propose, target compute inside verify; RPC overhead = propose + verify less those, of which the "

@@ -228,6 +228,22 @@ def test_prefill_flop_count_is_the_models_parameters(preset):
         assert forward_flops(cfg, n, start) == pytest.approx(want, rel=1e-9), (n, start)
 
 
+def test_bench_speed_with_queued_clients(tmp_path):
+    """--clients queued: every request at once to a gateway per batch size started with --max-batch, so no round
+    holds more than `batch` decoding requests (slots filled <= 1) while the others wait for a slot."""
+    cmd = [sys.executable, "-m", "tandem", "bench", "speed", "--random-config", "tiny", "--ks", "0,2", "--batches",
+           "1,2", "--max-tokens", "8", "--requests-per-batch", "3", "--prompt-tokens", "16", "--clients", "queued",
+           "--synthetic-acceptance", "0.9", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "sent at once, at most batch a round" in (tmp_path / "speed.md").read_text()
+    rows = json.loads((tmp_path / "speed.json").read_text())
+    assert [(r["batch"], r["k"], r["clients"]) for r in rows] == [(b, k, "queued") for b in (1, 2) for k in (0, 2)]
+    for r in rows:
+        # without the cap all 3 x batch would decode together: 3 x batch request-rounds a round, slots filled ~3
+        assert r["tokens"] == 8 * 3 * r["batch"] and 0 < r["slots_filled"] <= 1, r
+
+
 def test_bench_speed_fixed_and_adaptive_repeats(tmp_path):
     """Both speculation modes, a gateway each on one target and draft, every row measured twice (the modes' order
     alternating)."""
