@@ -200,7 +200,8 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
                         key = (mode, b if per_batch else None)
                         r = run_served(stubs[key], clusters[key][2], prompts, k, b, a.max_tokens, a.workload == "mixed",
                                        len(prompts) if a.clients == "queued" else 0)
-                        r.update(acceptance=profile or "model", speculation=mode, workload=a.workload, clients=a.clients)
+                        r.update(acceptance=profile or "model", speculation=mode, workload=a.workload,
+                                 clients=a.clients)
                         runs.setdefault((mode, b, k), []).append(r)
                         print(f"served {r['acceptance']} batch {b:3d} {mode} K={k}: {r['tokens_per_s']:9.1f} tok/s  MAL "
                               f"{r['mean_acceptance_length']:.2f}  mean k {r['mean_k']:.2f}  ms/round "

@@ -89,8 +89,8 @@ def test_fp8_checkpoint_loads_as_stored_and_never_wider(ckpt, tmp_path, monkeypa
     assert not fp8_params(wide)
     assert greedy_generate(m, [5, 6, 7], 6) == greedy_generate(m, [5, 6, 7], 6)
     auto = load_model(TargetModel, tmp_path)                # auto on a CPU: dequantized, the reference path
-    assert not fp8_params(auto) and all(torch.equal(a, b) for a, b in zip(auto.state_dict().values(),
-                                                                          wide.state_dict().values()))
+    a, w = auto.state_dict(), wide.state_dict()
+    assert not fp8_params(auto) and a.keys() == w.keys() and all(torch.equal(a[n], w[n]) for n in w)
     draft = load_model(DraftModel, tmp_path, quantization="fp8")
     assert fp8_params(draft) and draft.mtp[0].eh_proj.weight.dtype == torch.float32
 
@@ -147,8 +147,7 @@ def test_served_fp8_target_speculation_equals_its_plain_decoding(ckpt, tmp_path)
 def test_the_roofline_counts_the_bytes_each_device_holds():
     """`auto` keeps an fp8 preset fp8 on a GPU and dequantizes it on a CPU: the byte floor follows."""
     from tandem.roofline import round_floor_ms
-    floors = {d: round_floor_ms("random:v2-lite-fp8:seed=0", torch.bfloat16, 1, 0, 64, 1e12, device=d)["verify_floor_ms"]
-              for d in ("cpu", "cuda:0")}
-    assert floors["cpu"] > 1.5 * floors["cuda:0"], floors
-    assert round_floor_ms("random:v2-lite-fp8:seed=0", torch.bfloat16, 1, 0, 64, 1e12, "none",
-                          device="cuda:0")["verify_floor_ms"] == floors["cpu"]
+    def floor(device, quantization="auto"):
+        return round_floor_ms("random:v2-lite-fp8:seed=0", torch.bfloat16, 1, 0, 64, 1e12, quantization,
+                              device=device)["verify_floor_ms"]
+    assert floor("cpu") > 1.5 * floor("cuda:0") and floor("cuda:0", "none") == floor("cpu")

@@ -54,7 +54,8 @@ def test_a_compiled_step_with_grouped_experts_is_the_eager_step():
         with torch.autocast("cuda", torch.bfloat16):
             main, ces, _, _ = fwd(target, draft, chunk, 3, 2)
         (main + 0.3 * ces[0] + 0.15 * sum(ces[1:])).backward()
-        out.append((torch.stack([main, *ces]).detach(), {n: p.grad.clone() for n, p in named.items() if p.grad is not None}))
+        grads = {n: p.grad.clone() for n, p in named.items() if p.grad is not None}
+        out.append((torch.stack([main, *ces]).detach(), grads))
     (eager, eg), (comp, cg) = out
     assert torch.allclose(comp, eager, rtol=1e-2) and torch.isfinite(eager).all() and cg.keys() == eg.keys()
     for group in (".experts.", "gate.weight", "self_attn", ""):            # "": every parameter
