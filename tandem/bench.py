@@ -28,6 +28,10 @@ import grpc
 
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
+# a bench's request i is seeded SEED_BASE + i, served and in process alike: --synthetic-acceptance draws from
+# each request's seeded generator, so both sides then see the same acceptance lengths
+SEED_BASE = 1000
+
 
 def heldout_prompts(model: Path, n: int, prompt_chars: int, seed: int, end_at_line: bool = True) -> list[str]:
     """Prompts cut from the held-out files the model card names (else the stdlib's own files): each starts at
@@ -62,7 +66,7 @@ def run_acceptance(stub, prompts: list[str], ks: list[int], temperature: float, 
         def one(i_p):
             i, p = i_p
             req = generate_pb2.GenerateRequest(text=p, max_tokens=max_tokens, temperature=temperature,
-                                               seed=1000 + i, ignore_eos=True, num_speculative_tokens=k)
+                                               seed=SEED_BASE + i, ignore_eos=True, num_speculative_tokens=k)
             return stub.Generate(req, timeout=600)
         with ThreadPoolExecutor(concurrency) as pool:
             resps = list(pool.map(one, enumerate(prompts)))

@@ -19,7 +19,7 @@ import torch
 
 from services.draft.engine import DraftEngine
 from services.target.engine import TargetEngine
-from tandem.bench import write_results
+from tandem.bench import SEED_BASE, write_results
 
 
 def service_devices(device: str) -> tuple[str, str]:
@@ -85,7 +85,8 @@ def run_loop(te: TargetEngine, de: DraftEngine | None, prompts: list[list[int]],
     target, draft = te._inprocess_stubs
     obs = Split()
     t0 = time.perf_counter()
-    reqs, events = asyncio.run(generate_all(target, draft if k > 0 else None, prompts, k, batch, max_tokens, obs))
+    seeds = [SEED_BASE + i for i in range(len(prompts))]           # as the served bench seeds them
+    reqs, events = asyncio.run(generate_all(target, draft if k > 0 else None, prompts, k, batch, max_tokens, obs, seeds))
     wall = time.perf_counter() - t0
     for r, ev in zip(reqs, events):
         if ev[-1].error is not None:

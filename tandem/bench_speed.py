@@ -18,7 +18,8 @@ draft: tandem/bench.py add_gateway; the adaptive rows cap k at the largest of --
     tandem bench speed --speculation fixed,adaptive --ks 0,1,2,3 --workload mixed
     tandem bench speed --speculation fixed,adaptive --synthetic-acceptance 0.92,0.72,0.36 --synthetic-acceptance 0.02
 
-Requests sent as token ids (seeded 1000 + i), ignore_eos, greedy unless --workload mixed. Clients: `batch`
+Requests sent as token ids (request i seeded SEED_BASE + i, tandem/bench.py; in process too), ignore_eos, greedy
+unless --workload mixed. Clients: `batch`
 threads, each sending its next request when its last one answers (--clients closed, the default), or every
 request at once to a gateway that runs at most `batch` a round (--clients queued: each batch size its own gateway
 with --max-batch, a server at capacity: a finished request's slot goes to a waiting one). Unknown flags go to
@@ -36,7 +37,7 @@ from functools import partial
 
 import grpc
 
-from tandem.bench import add_gateway, bench_prompts, start_cluster, stop_cluster, write_results
+from tandem.bench import SEED_BASE, add_gateway, bench_prompts, start_cluster, stop_cluster, write_results
 from tandem.bench_speed_report import plot, table
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
@@ -74,7 +75,7 @@ def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, ba
         i, ids = i_ids
         t0 = time.perf_counter()
         r = stub.Generate(generate_pb2.GenerateRequest(
-            token_ids=generate_pb2.TokenIds(ids=ids), max_tokens=tokens, ignore_eos=True, seed=1000 + i,
+            token_ids=generate_pb2.TokenIds(ids=ids), max_tokens=tokens, ignore_eos=True, seed=SEED_BASE + i,
             temperature=1.0 if mixed and i % 2 else 0.0, num_speculative_tokens=k), timeout=900)
         return r, time.perf_counter() - t0
     with ThreadPoolExecutor(max(batch, clients)) as pool:

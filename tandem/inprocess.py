@@ -91,9 +91,10 @@ def servicer_stubs(te, de) -> tuple[Stub, Stub | None]:
 
 
 async def generate_all(target, draft, prompts: list[list[int]], k: int, batch: int, max_tokens: int,
-                       observer=None) -> tuple[list, list]:
+                       observer=None, seeds: list[int] | None = None) -> tuple[list, list]:
     """Greedy decoding of every prompt through the Scheduler, `batch` at a time (continuous batching),
-    K drafts per round -> (the finished GenRequests in prompt order, their events)."""
+    K drafts per round -> (the finished GenRequests in prompt order, their events). seeds: each request's
+    (greedy output ignores it; --synthetic-acceptance draws from it), else unseeded."""
     from gateway.request import GenRequest
     from gateway.scheduler import Scheduler
     from gateway.text import TextStream
@@ -105,8 +106,9 @@ async def generate_all(target, draft, prompts: list[list[int]], k: int, batch: i
                       observer=observer)
     loop = asyncio.ensure_future(sched.run())
     reqs = [GenRequest(id=sched.new_id(), prompt_ids=list(p), max_tokens=max_tokens,
-                       sampling=rows_pb2.SamplingParams(), text=TextStream(Ids(), []), ignore_eos=True, k=k)
-            for p in prompts]
+                       sampling=rows_pb2.SamplingParams(seed=seeds[i]) if seeds else rows_pb2.SamplingParams(),
+                       text=TextStream(Ids(), []), ignore_eos=True, k=k)
+            for i, p in enumerate(prompts)]
     for r in reqs:
         sched.submit(r)
     events = []

@@ -125,6 +125,8 @@ def test_bench_speed_served_split_and_inprocess(tmp_path):
         # K = 0 the draft only takes the prompts (its prefix cache), in the Propose a mixed prefill's round sends
         assert s["propose"] > 0 and s["draft_compute"] > 0 if r["k"] > 0 else s["draft_compute"] < s["target_compute"]
         assert r["inprocess_tokens_per_s"] > 0
+        # request i is seeded alike on both sides, so the synthetic draws, and the acceptance, are the same
+        assert r["inprocess_mean_acceptance_length"] == pytest.approx(r["mean_acceptance_length"]), r
     assert all(r["mean_acceptance_length"] > 1.5 for r in rows if r["k"] == 2)      # synthetic, p = 0.9
     assert (tmp_path / "speed.png").stat().st_size > 0
 
