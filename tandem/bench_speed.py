@@ -18,12 +18,11 @@ draft: tandem/bench.py add_gateway; the adaptive rows cap k at the largest of --
     tandem bench speed --speculation fixed,adaptive --ks 0,1,2,3 --workload mixed
     tandem bench speed --speculation fixed,adaptive --synthetic-acceptance 0.92,0.72,0.36 --synthetic-acceptance 0.02
 
-Requests sent as token ids (request i seeded SEED_BASE + i, tandem/bench.py; in process too), ignore_eos, greedy
-unless --workload mixed. Clients: `batch`
-threads, each sending its next request when its last one answers (--clients closed, the default), or every
-request at once to a gateway that runs at most `batch` a round (--clients queued: each batch size its own gateway
-with --max-batch, a server at capacity: a finished request's slot goes to a waiting one). Unknown flags go to
-`tandem serve`.
+Requests sent as token ids (request i seeded SEED_BASE + i, tandem/bench.py, in process too: a synthetic profile's
+draws are then the same on both sides), ignore_eos, greedy unless --workload mixed. Clients: `batch` threads, each
+sending its next request when its last one answers (--clients closed, the default), or every request at once to a
+gateway that runs at most `batch` a round (--clients queued: each batch size its own gateway with --max-batch, a
+server at capacity: a finished request's slot goes to a waiting one). Unknown flags go to `tandem serve`.
 """
 from __future__ import annotations
 
@@ -267,6 +266,15 @@ def add_roofline(rows: list[dict], model: str, a) -> float:
     return bw
 
 
+def expected_lengths(profiles: list[str], ks: str) -> str:
+    """What each synthetic profile's draws average to at the largest K: a row's mean acceptance length is its own
+    seeded draws (few at batch 1), so a row above or below this is luck, not speed."""
+    from services.target.synthetic import expected_acceptance_length, parse_profile
+    k = max(int(x) for x in ks.split(","))
+    return (f"expected mean acceptance length at K = {k}: "
+            + " / ".join(f"{expected_acceptance_length(parse_profile(p), k):.2f}" for p in profiles if p))
+
+
 def main(argv=None) -> int:
     from tandem.bench_inprocess import random_id
     from models.tiny import default_model
@@ -280,7 +288,8 @@ def main(argv=None) -> int:
     rows = [r for profile in profiles for r in run_profile(model, rid, a, extra, profile)]
     bw = add_roofline(rows, model, a)
     synth = (f"; WARNING: BENCHMARK ONLY synthetic acceptance {' / '.join(profiles)} (drafts accepted at random "
-             "after the real forward; outputs are not the model's)" if any(profiles) else "")
+             f"after the real forward; outputs are not the model's; {expected_lengths(profiles, a.ks)})"
+             if any(profiles) else "")
     load = "greedy" if a.workload == "greedy" else "mixed (every other request T=1)"
     md = (f"Speed of {model} on {a.device} ({time.strftime('%Y-%m-%d')}), {load}, {a.prompt_tokens}-token prompts, "
           f"{a.max_tokens} new tokens, {a.requests_per_batch} x batch requests "

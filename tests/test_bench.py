@@ -111,6 +111,7 @@ def test_bench_speed_served_split_and_inprocess(tmp_path):
     for col in ("propose ms", "transfer ms", "verify ms", "gateway ms", "served / in-process", "BENCHMARK ONLY",
                 "ideal round ms", "served of ideal", "batch slots filled"):
         assert col in md, col
+    assert "expected mean acceptance length at K = 2: 2.71 / 2.14" in md      # 1 + p1 + p1 p2 per profile
     rows = json.loads((tmp_path / "speed.json").read_text())
     assert [(r["acceptance"], r["batch"], r["k"]) for r in rows] == [
         (p, b, k) for p in ("0.9", "0.95,0.2") for b in (1, 2) for k in (0, 2)]
