@@ -37,7 +37,7 @@ from functools import partial
 import grpc
 
 from tandem.bench import SEED_BASE, add_gateway, bench_prompts, start_cluster, stop_cluster, write_results
-from tandem.bench_speed_report import plot, table
+from tandem.bench_speed_report import expected_lengths, plot, table
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 METRIC = "tandem:round_phase_seconds"
@@ -264,15 +264,6 @@ def add_roofline(rows: list[dict], model: str, a) -> float:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return bw
-
-
-def expected_lengths(profiles: list[str], ks: str) -> str:
-    """What each synthetic profile's draws average to at the largest K: a row's mean acceptance length is its own
-    seeded draws (few at batch 1), so a row above or below this is luck, not speed."""
-    from services.target.synthetic import expected_acceptance_length, parse_profile
-    k = max(int(x) for x in ks.split(","))
-    return (f"expected mean acceptance length at K = {k}: "
-            + " / ".join(f"{expected_acceptance_length(parse_profile(p), k):.2f}" for p in profiles if p))
 
 
 def main(argv=None) -> int:

@@ -105,3 +105,12 @@ def plot(rows: list[dict], path: Path) -> None:
     bx.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def expected_lengths(profiles: list[str], ks: str) -> str:
+    """What each synthetic profile's draws average to at the largest K: a row's mean acceptance length is its own
+    seeded draws (few at batch 1), so a row above or below this is luck, not speed."""
+    from services.target.synthetic import expected_acceptance_length, parse_profile
+    k = max(int(x) for x in ks.split(","))
+    return (f"expected mean acceptance length at K = {k}: "
+            + " / ".join(f"{expected_acceptance_length(parse_profile(p), k):.2f}" for p in profiles if p))
