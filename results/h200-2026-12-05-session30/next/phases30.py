@@ -9,6 +9,9 @@ for f in glob.glob(sys.argv[1] + "/phases-*.jsonl"):
     role = "target" if "TargetEngine.verify" in names else "draft" if "DraftServicer._propose" in names else "gateway"
     procs[role] = sorted(recs, key=lambda r: r[1])
 T, D = procs["target"], procs["draft"]
+TAKES = ("IpcReceiver.take_in_place", "SlotHeaders.wait", "RowChannel.take_later")   # the first the probe wrapped
+
+
 def first(recs, name, after, before=None):
     return next((r for r in recs if r[0] == name and r[1] >= after and (before is None or r[1] < before)), None)
 out = {"rows first": [], "Propose first": []}
@@ -23,12 +26,13 @@ for i, tv in enumerate(verifies[8:-1], 8):
     pr = first(D, "DraftServicer._propose", s[1] - 0.002)
     if pr is None:
         continue
-    wt, ep = first(D, "SlotHeaders.wait", pr[1], pr[2]), first(D, "DraftEngine.propose", pr[1], pr[2])
+    wt = next((w for w in (first(D, n, pr[1], pr[2]) for n in TAKES) if w), None)      # the ring take (its wait)
+    ep = first(D, "DraftEngine.propose", pr[1], pr[2])
     T0, nxt = v[2], verifies[i + 1]
     d = lambda x: None if x is None else 1000 * (x - T0)
     out["rows first" if push[1] < s[1] else "Propose first"].append({
         "Propose send": (d(s[1]), d(s[2])), "rows push": (d(push[1]), d(push[2])), "draft _propose": (d(pr[1]), d(pr[2])),
-        "header wait": (d(wt[1]), d(wt[2])) if wt else (None, None), "draft engine": (d(ep[1]), d(ep[2])) if ep else (None, None),
+        "ring take": (d(wt[1]), d(wt[2])) if wt else (None, None), "draft engine": (d(ep[1]), d(ep[2])) if ep else (None, None),
         "Verify answered": (d(tv[2]), d(tv[2])), "next Verify": (d(nxt[1]), d(nxt[1]))})
 for order, rows in out.items():
     print(f"{order}: {len(rows)} rounds; median ms after the target's verify compute (start / end)")

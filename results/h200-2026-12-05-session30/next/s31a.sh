@@ -2,7 +2,8 @@
 # process's round functions timed (.gpu/site/sitecustomize.py, a probe, not Tandem), the target's two sends
 # alternating round by round: the rows into the CUDA IPC ring before the next Propose, or after it (as Tandem
 # does). .gpu/phases30.py prints both orders' medians.
-# Copy into .gpu/: this file, phases30.py, and sitecustomize30.py as .gpu/site/sitecustomize.py (with common.sh).
+# Copy into .gpu/: this file, phases30.py, sitecustomize30.py as .gpu/site/sitecustomize.py and session 27's
+# sitecustomize27.py as .gpu/site/probe27.py (with common.sh).
 source .gpu/common.sh
 R=$OUT/r; mkdir -p $R
 snap() { mv $OUT/*.log $R/ 2>/dev/null; cp $OUT/parts.txt $R/ 2>/dev/null; tar czf $OUT/r.tgz -C $OUT r; }
