@@ -86,7 +86,8 @@ def run_loop(te: TargetEngine, de: DraftEngine | None, prompts: list[list[int]],
     obs = Split()
     t0 = time.perf_counter()
     seeds = [SEED_BASE + i for i in range(len(prompts))]           # as the served bench seeds them
-    reqs, events = asyncio.run(generate_all(target, draft if k > 0 else None, prompts, k, batch, max_tokens, obs, seeds))
+    reqs, events = asyncio.run(generate_all(target, draft if k > 0 else None, prompts, k, batch, max_tokens, obs,
+                                            seeds))
     wall = time.perf_counter() - t0
     for r, ev in zip(reqs, events):
         if ev[-1].error is not None:
