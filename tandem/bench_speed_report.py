@@ -43,7 +43,8 @@ def table(rows: list[dict]) -> str:
                  f"{r['spread']:.0%}" if len(r.get("tokens_per_s_runs", [])) > 1 else "", f"{r['speedup']:.2f}",
                  f"{r['mean_acceptance_length']:.2f}",
                  f"{r['slots_filled']:.0%}" if r.get("slots_filled") is not None else "",
-                 ms("round"), ms("propose"), ms("transfer"), ms("draft_compute"), ms("verify"), ms("target_compute"), rpc, hops(s), ms("gateway"),
+                 ms("round"), ms("propose"), ms("transfer"), ms("draft_compute"), ms("verify"), ms("target_compute"),
+                 rpc, hops(s), ms("gateway"),
                  f"{s['between']:.2f}" if "between" in s else "", r.get("reprobes", "")]
         if inproc:
             cells += [f"{r['inprocess_tokens_per_s']:.1f}", f"{r['inprocess_speedup']:.2f}",
