@@ -99,7 +99,7 @@ def run_loop(te: TargetEngine, de: DraftEngine | None, prompts: list[list[int]],
 
 def measure(te, de, prompts, k, batch, max_tokens) -> dict:
     """One warm-up pass over `batch` prompts and the others for 2 tokens (prefix caches as in
-    tandem.bench_speed.run_served), then the timed pass over all -> a result row."""
+    tandem.bench_served.run_served), then the timed pass over all -> a result row."""
     run_loop(te, de, prompts[:batch], k, batch, max_tokens)
     if prompts[batch:]:
         run_loop(te, de, prompts[batch:], k, batch, 2)

@@ -18,6 +18,12 @@ draft: tandem/bench.py add_gateway; the adaptive rows cap k at the largest of --
     tandem bench speed --speculation fixed,adaptive --ks 0,1,2,3 --workload mixed
     tandem bench speed --speculation fixed,adaptive --synthetic-acceptance 0.92,0.72,0.36 --synthetic-acceptance 0.02
 
+Two micro-batches alternating (issue 14, item 4): a /halves mode runs on two gateways, request i sent to gateway
+i mod 2, so the target verifies one half of the batch while the draft proposes for the other
+(tandem/bench_served.py); beside the same mode on one gateway:
+
+    tandem bench speed --speculation fixed,fixed/halves --ks 0,3 --batches 32
+
 Requests sent as token ids (request i seeded SEED_BASE + i, tandem/bench.py, in process too: a synthetic profile's
 draws are then the same on both sides), ignore_eos, greedy unless --workload mixed. Clients: `batch` threads, each
 sending its next request when its last one answers (--clients closed, the default), or every request at once to a
@@ -30,98 +36,32 @@ import argparse
 import statistics
 import sys
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import grpc
 
-from tandem.bench import SEED_BASE, add_gateway, bench_prompts, start_cluster, stop_cluster, write_results
+from tandem.bench import add_gateway, bench_prompts, start_cluster, stop_cluster, write_results
+from tandem.bench_served import run_served
 from tandem.bench_speed_report import expected_lengths, plot, table
-from tandem.v1 import generate_pb2, generate_pb2_grpc
+from tandem.v1 import generate_pb2_grpc
 
-METRIC = "tandem:round_phase_seconds"
-CHOSEN_K = "tandem:spec_decode_chosen_k"
-REPROBES = "tandem:spec_decode_reprobes_total"
-PHASES = ("round", "propose", "transfer", "draft_compute", "verify", "target_compute", "gateway")
-
-
-def scrape(http_addr: str) -> dict[str, list[float]]:
-    """The gateway's round split so far: phase -> [sum of seconds, rounds]."""
-    from prometheus_client.parser import text_string_to_metric_families
-    text = urllib.request.urlopen(f"http://{http_addr}/metrics", timeout=10).read().decode()
-    out: dict[str, list[float]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in (METRIC + "_sum", METRIC + "_count"):
-                out.setdefault(s.labels["phase"], [0.0, 0.0])[s.name.endswith("_count")] += s.value
-            elif s.name in (CHOSEN_K + "_sum", CHOSEN_K + "_count"):     # k a request got a round, summed
-                out.setdefault("chosen_k", [0.0, 0.0])[s.name.endswith("_count")] += s.value
-            elif s.name == REPROBES:                                     # parked requests woken for a probe
-                out["reprobes"] = [s.value, 0.0]
-    return out
-
-
-def run_served(stub, http_addr: str | None, prompts: list[list[int]], k: int, batch: int, max_tokens: int,
-               mixed: bool = False, clients: int = 0) -> dict:
-    """`batch` concurrent requests at a time until every prompt is done (after one warm-up batch, and every
-    other prompt once at this k for 2 tokens); greedy, or (mixed) every other one sampled at temperature 1.
-    The short pass puts every prompt in both services' prefix caches before each row, so every row decodes with
-    warm caches (before k = 0 prompts were fed to the draft, a K > 0 row after a K = 0 row found their prefixes
-    on the target alone and waited on a recovery each: gateway/prefix_recovery.py). clients > batch: that many
-    threads (a gateway started with --max-batch batch queues the rest)."""
-    def one(i_ids, tokens=max_tokens):
-        i, ids = i_ids
-        t0 = time.perf_counter()
-        r = stub.Generate(generate_pb2.GenerateRequest(
-            token_ids=generate_pb2.TokenIds(ids=ids), max_tokens=tokens, ignore_eos=True, seed=SEED_BASE + i,
-            temperature=1.0 if mixed and i % 2 else 0.0, num_speculative_tokens=k), timeout=900)
-        return r, time.perf_counter() - t0
-    with ThreadPoolExecutor(max(batch, clients)) as pool:
-        list(pool.map(one, enumerate(prompts[:batch])))                    # warm-up
-        list(pool.map(partial(one, tokens=2), enumerate(prompts[batch:])))  # prefix caches
-        before = scrape(http_addr) if http_addr else {}
-        t0 = time.perf_counter()
-        results = list(pool.map(one, enumerate(prompts)))
-        wall = time.perf_counter() - t0
-        after = scrape(http_addr) if http_addr else {}
-    tokens = sum(r.usage.completion_tokens for r, _ in results)
-    drafts = sum(r.spec_stats.num_drafts for r, _ in results)
-    accepted = sum(r.spec_stats.num_accepted_tokens for r, _ in results)
-    rounds = after.get("round", [0, 0])[1] - before.get("round", [0, 0])[1]
-    split = {ph: 1000 * (after.get(ph, [0, 0])[0] - before.get(ph, [0, 0])[0]) / rounds
-             for ph in PHASES} if rounds else {}
-    ks = [after.get("chosen_k", [0, 0])[i] - before.get("chosen_k", [0, 0])[i] for i in (0, 1)]
-    if rounds:          # the wall between the rounds (prefill, re-sync, a request's turnover), per round
-        split["between"] = 1000 * wall / rounds - split["round"]
-        for ph in ("prefill", "resync"):
-            split[ph] = 1000 * (after.get(ph, [0, 0])[0] - before.get(ph, [0, 0])[0]) / rounds
-        for ph in ("rpc_request", "rpc_response", "rpc_service"):   # per round that had them (this host)
-            d = [after.get(ph, [0, 0])[i] - before.get(ph, [0, 0])[i] for i in (0, 1)]
-            if d[1]:
-                split[ph] = 1000 * d[0] / d[1]
-    return {"k": k, "batch": batch, "mean_k": ks[0] / ks[1] if ks[1] else float(k), "tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0, "rounds": int(rounds),
-            # the rounds' batch slots that held a decoding request (request-rounds / (rounds x batch)): below 1
-            # while clients turn over and the run fills and drains (tandem/bench_speed_report.py)
-            "slots_filled": ks[1] / (rounds * batch) if rounds else None,
-            "reprobes": int(after.get("reprobes", [0])[0] - before.get("reprobes", [0])[0]),
-            "p50_request_s": sorted(t for _, t in results)[len(results) // 2], "ms_per_round": split}
-
-
-VARIANTS = {"": [], "serial": ["--no-overlap-rounds"], "no-ahead": ["--no-propose-ahead"],
-            "no-busy-poll": ["--no-busy-poll"], "no-mixed": ["--no-mixed-prefill"]}
+VARIANTS = {"serial": ["--no-overlap-rounds"], "no-ahead": ["--no-propose-ahead"], "no-busy-poll": ["--no-busy-poll"],
+            "no-mixed": ["--no-mixed-prefill"], "halves": []}
 
 
 def mode_args(mode: str) -> list[str]:
-    """The gateway flags of a --speculation mode: fixed | adaptive, optionally /serial, /no-ahead, /no-busy-poll or
-    /no-mixed."""
-    base, _, variant = mode.partition("/")
-    if base not in ("fixed", "adaptive") or variant not in VARIANTS:
-        raise SystemExit(f"--speculation: fixed or adaptive, each optionally /{' or /'.join(v for v in VARIANTS if v)}; "
+    """The gateway flags of a --speculation mode: fixed | adaptive, then any of /serial, /no-ahead, /no-busy-poll,
+    /no-mixed and /halves (no flag: two gateways, tandem/bench_served.py)."""
+    base, *variants = mode.split("/")
+    if base not in ("fixed", "adaptive") or any(v not in VARIANTS for v in variants):
+        raise SystemExit(f"--speculation: fixed or adaptive, each optionally followed by any of /{', /'.join(VARIANTS)}; "
                          f"got {mode!r}")
-    return ["--speculation", base] + VARIANTS[variant]
+    return ["--speculation", base] + [f for v in variants for f in VARIANTS[v]]
+
+
+def gateways(mode: str) -> int:
+    """Gateways a mode runs on the one target and draft: two for /halves (each gets every other request)."""
+    return 2 if "halves" in mode.split("/")[1:] else 1
 
 
 def parse(argv):
@@ -140,9 +80,10 @@ def parse(argv):
     p.add_argument("--ks", default="0,1,2,3,4")
     p.add_argument("--speculation", default="fixed", help="fixed (the --ks grid), adaptive (k <= the largest of "
                    "--ks chosen per request and round), or fixed,adaptive: both, a gateway each on one target and "
-                   "draft; a mode ending in /serial runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial), one "
-                   "ending in /no-ahead with --no-propose-ahead, /no-busy-poll with --no-busy-poll, /no-mixed with "
-                   "--no-mixed-prefill")
+                   "draft; /serial after a mode runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial), "
+                   "/no-ahead with --no-propose-ahead, /no-busy-poll with --no-busy-poll, /no-mixed with "
+                   "--no-mixed-prefill; /halves runs the mode on two gateways, each with half the clients, so the "
+                   "services alternate between two micro-batches (e.g. fixed/no-busy-poll,fixed/halves/no-busy-poll)")
     p.add_argument("--workload", default="greedy", choices=["greedy", "mixed"], help="mixed: every other request "
                    "at temperature 1 (the synthetic acceptance applies to greedy ones only)")
     p.add_argument("--batches", default="1,8,32")
@@ -177,29 +118,28 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
     if a.clients == "queued" and a.gateway:
         raise SystemExit("tandem bench speed: --clients queued starts a gateway per batch size (--max-batch), so "
                          "not with --gateway")
+    if a.gateway and any(gateways(m) > 1 for m in modes):
+        raise SystemExit("tandem bench speed: a /halves mode starts its own two gateways, so not with --gateway")
     per_batch = a.clients == "queued"               # a gateway per (mode, batch size), --max-batch it
-    clusters = {}                           # (mode, batch or None) -> (process or None, gateway, metrics address)
+    clusters = {}                   # (mode, batch or None) -> its gateways: [(process or None, gRPC, metrics address)]
     runs, inproc = {}, {}                           # (mode, batch, k) -> served runs; (batch, k) -> in-process runs
     engines = None
     if a.in_process and a.device == "cpu":          # CPU: in process between the served repeats (drift alike)
         from tandem.bench_inprocess import grid_engines, measure
         engines = grid_engines(model, a, profile)
     try:
-        for mode in modes:                          # one target and draft; a gateway per mode (and batch size)
-            for b in batches if per_batch else [None]:
-                how = partial(add_gateway, next(iter(clusters.values()))[0]) if clusters else start_cluster
-                cap = ["--max-batch", str(b), "--max-waiting", str(b * a.requests_per_batch)] if b else []
-                clusters[mode, b] = ((None, a.gateway, a.metrics) if a.gateway else
-                                     how(None if rid else model, max(ks), serve_args + extra + mode_args(mode) + cap))
-        stubs = {m: generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(c[1])) for m, c in clusters.items()}
+        start_gateways(clusters, a, modes, batches if per_batch else [None], None if rid else model, max(ks),
+                       serve_args + extra)
+        stubs = {m: [generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(g[1])) for g in c]
+                 for m, c in clusters.items()}
         for b in batches:
             prompts = bench_prompts(model, b * a.requests_per_batch, a.prompt_tokens, seed=b)
             for rep in range(a.repeats):
                 for mode in (modes if rep % 2 == 0 else modes[::-1]):      # each mode first every other repeat
                     for k in (ks if mode.startswith("fixed") else [max(ks)]):
                         key = (mode, b if per_batch else None)
-                        r = run_served(stubs[key], clusters[key][2], prompts, k, b, a.max_tokens, a.workload == "mixed",
-                                       len(prompts) if a.clients == "queued" else 0)
+                        r = run_served(stubs[key], [g[2] for g in clusters[key]], prompts, k, b, a.max_tokens,
+                                       a.workload == "mixed", len(prompts) if a.clients == "queued" else 0)
                         r.update(acceptance=profile or "model", speculation=mode, workload=a.workload,
                                  clients=a.clients)
                         runs.setdefault((mode, b, k), []).append(r)
@@ -210,7 +150,7 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
                     for k in ks:
                         inproc.setdefault((b, k), []).append(measure(*engines, prompts, k, b, a.max_tokens))
     finally:
-        for proc, _, _ in reversed(list(clusters.values())):     # the added gateways, then the cluster
+        for proc, _, _ in reversed([g for c in clusters.values() for g in c]):   # added gateways, then the cluster
             stop_cluster(proc)
     rows = []
     for rs in runs.values():                        # the mean of the repeats (tokens/s and the split), and their spread
@@ -236,6 +176,20 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
                      inprocess_ms_per_round=ip["ms_per_round"],
                      inprocess_mean_acceptance_length=ip["mean_acceptance_length"])
     return rows
+
+
+def start_gateways(clusters: dict, a, modes: list[str], batches: list, model: str | None, kmax: int,
+                   args: list[str]) -> None:
+    """One target and draft (or a.gateway); gateways(mode) gateways per mode and batch (None: one for all batches,
+    else --max-batch it), into `clusters` as they start (the caller stops them)."""
+    for mode in modes:
+        for b in batches:
+            cap = ["--max-batch", str(max(1, b // gateways(mode))), "--max-waiting", str(b * a.requests_per_batch)] if b else []
+            clusters[mode, b] = [(None, a.gateway, a.metrics)] if a.gateway else []
+            while len(clusters[mode, b]) < gateways(mode):
+                first = next((c[0][0] for c in clusters.values() if c), None)
+                how = start_cluster if first is None else partial(add_gateway, first)
+                clusters[mode, b].append(how(model, kmax, args + mode_args(mode) + cap))
 
 
 def mean_split(rs: list[dict]) -> dict[str, float]:

@@ -292,3 +292,22 @@ def test_bench_acceptance_drafts_k_every_round(tmp_path):
     for r in rows:
         assert r["drafts"] > 0 and 1 <= r["mean_acceptance_length"] <= r["k"] + 1, r
         assert r["tokens_per_forward"] <= r["k"] + 1, r
+
+
+def test_bench_speed_halves_splits_the_batch_over_two_gateways(tmp_path):
+    """A /halves mode: two gateways on the one target and draft, each running rounds over its half of the clients
+    (issue 14, item 4: two micro-batches alternating), beside the same mode on one gateway."""
+    cmd = [sys.executable, "-m", "tandem", "bench", "speed", "--random-config", "tiny", "--ks", "0,2", "--batches",
+           "4", "--max-tokens", "6", "--requests-per-batch", "2", "--prompt-tokens", "12", "--synthetic-acceptance",
+           "0.9", "--speculation", "fixed/no-busy-poll,fixed/halves/no-busy-poll", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "speed.json").read_text())
+    assert [(r["speculation"], r["k"], r["gateways"]) for r in rows] == [
+        ("fixed/no-busy-poll", 0, 1), ("fixed/no-busy-poll", 2, 1),
+        ("fixed/halves/no-busy-poll", 0, 2), ("fixed/halves/no-busy-poll", 2, 2)]
+    for r in rows:
+        assert r["tokens"] == 6 * 4 * 2 and len(r["rounds_by_gateway"]) == r["gateways"]
+        assert all(n > 0 for n in r["rounds_by_gateway"]), r["rounds_by_gateway"]    # both halves decoded
+    assert proc.stdout.count("tandem: serving") == 1 and proc.stdout.count("tandem bench: added a gateway") == 2
+    assert "2 halves/no-busy-poll" in (tmp_path / "speed.md").read_text()
