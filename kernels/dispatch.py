@@ -31,7 +31,7 @@ from kernels import norm as _ref_norm
 from kernels import router as _ref_router
 from kernels import rows as _ref_rows
 from kernels import speculative as _ref_spec
-from kernels.rows import take_spans  # noqa: F401  (a slice or a gather: no kernel of its own)
+from kernels.rows import gemm_ready, take_spans  # noqa: F401  (a CPU GEMM's rows; a slice or a gather: no kernels)
 from kernels.speculative import argmax_rows, sampling_probs  # noqa: F401  (no Triton kernel: always the reference)
 
 __all__ = ["sampling_probs", "rms_norm", "silu_mul", "rotary", "write_latent", "route", "greedy_accept",

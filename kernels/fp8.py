@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.rows import gemm_ready
+
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                     # torch.finfo(torch.float8_e4m3fn).max
@@ -69,17 +71,17 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tenso
     x quantized per token per 128 columns, both dequantized, one fp32 matmul."""
     shape = x.shape
     q, qs = quantize_act(x.reshape(-1, shape[-1]))
-    y = dequantize_act(q, qs) @ dequantize_weight(w, s).t()                          # [M, N] fp32
-    return y.to(x.dtype).view(*shape[:-1], w.shape[0])
+    y = gemm_ready(dequantize_act(q, qs)) @ dequantize_weight(w, s).t()              # [M, N] fp32
+    return y[:q.shape[0]].to(x.dtype).view(*shape[:-1], w.shape[0])
 
 
 def fp8_mlp(x: torch.Tensor, gate: tuple, up: tuple, down: tuple) -> torch.Tensor:
     """SwiGLU MLP of fp8 (weight, scale) pairs, as the fused kernel rounds it: gate and up in fp32, h = silu(gate)
     * up rounded to x's dtype, then quantized again for down. x [M, D] -> [M, D]."""
     q, qs = quantize_act(x)
-    a = dequantize_act(q, qs)                                                        # [M, D] fp32
+    a = gemm_ready(dequantize_act(q, qs))                                            # [M, D] fp32
     g, u = a @ dequantize_weight(*gate).t(), a @ dequantize_weight(*up).t()          # [M, I]
-    h = (F.silu(g) * u).to(x.dtype)
+    h = (F.silu(g) * u)[:x.shape[0]].to(x.dtype)
     return fp8_linear(h, *down)
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.rows import vector_ready
+
 
 @dataclass(frozen=True)
 class RouteSpec:
@@ -28,6 +30,8 @@ class RouteSpec:
 
 def select(logits: torch.Tensor, bias: torch.Tensor | None, spec: RouteSpec) -> tuple[torch.Tensor, torch.Tensor]:
     # logits: [N, E] fp32, bias: [E] (fp32, or promoted to it) or None -> weights [N, top_k] fp32, ids [N, top_k] int64
+    n = logits.shape[0]
+    logits = vector_ready(logits)        # CPU: rows of whole vectors, each row's sigmoid bits its own (kernels/rows.py)
     scores = logits.sigmoid() if spec.sigmoid else logits.softmax(-1)
     choice = scores + bias if bias is not None else scores
     if spec.n_group > 1:
@@ -39,4 +43,4 @@ def select(logits: torch.Tensor, bias: torch.Tensor | None, spec: RouteSpec) -> 
     weights = scores.gather(1, ids)
     if spec.norm and spec.top_k > 1:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * spec.scale, ids
+    return (weights * spec.scale)[:n], ids[:n]

@@ -3,8 +3,18 @@
 SP pad / shard / trim: with sequence-parallel MoE, N rows are padded to a multiple of tp, each rank
 keeps its S = N_pad / tp rows (reduce-scatter), and after the MoE the all-gathered [tp * S, D] is
 trimmed back to the true N rows. models/model.py pads, shards and trims through kernels.dispatch.
+
+CPU GEMM rows: PyTorch's CPU fp32 GEMM (one thread, as the services run) gives a row the same bits at any row count
+of 4 or more, other bits at 1 to 3 (BENCHMARKS.md "Lossless on the CPU"), so a decode step's rows would part from a
+verify step's at a near-tie; gemm_ready pads a CPU GEMM's left operand to 4 rows (rows never mix in a GEMM).
+Its vectorized elementwise functions (sigmoid) give an element other bits in a loop's scalar tail than in its
+vector body, so a [1, 8] tensor's row is not the same row of a [4, 8] one; vector_ready pads a CPU tensor's rows
+until its elements fill whole vectors (no tail).
 """
 from __future__ import annotations
+
+import math
+import os
 
 import torch
 
@@ -37,3 +47,24 @@ def take_spans(x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
         return x[spans[0][0]:spans[-1][1]].clone() if spans else x[:0].clone()
     return x[torch.cat([torch.arange(s, e) for s, e in spans]).to(x.device)]
+
+
+CPU_GEMM_ROWS = int(os.environ.get("TANDEM_CPU_GEMM_ROWS", "4"))    # 1: off (to measure what it costs)
+
+
+def gemm_ready(x: torch.Tensor) -> torch.Tensor:
+    # x: [M, ...], the left operand of a GEMM over its rows -> [max(M, 4), ...] on a CPU (zero rows appended), else x
+    m = x.shape[0]
+    if x.is_cuda or m >= CPU_GEMM_ROWS or m == 0:
+        return x
+    return torch.cat([x, x.new_zeros(CPU_GEMM_ROWS - m, *x.shape[1:])])
+
+
+CPU_VECTOR = 64                     # elements: a multiple of every CPU vector loop's step (AVX-512 x 4 floats)
+
+
+def vector_ready(x: torch.Tensor) -> torch.Tensor:
+    # x: [M, ...] contiguous -> on a CPU [M', ...], zero rows appended until M' x row size is a multiple of 64
+    row = x[0].numel() if x.shape[0] else 0
+    extra = -x.shape[0] % (CPU_VECTOR // math.gcd(row, CPU_VECTOR)) if row and not x.is_cuda else 0
+    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])]) if extra else x

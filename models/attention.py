@@ -75,7 +75,7 @@ class MLAttention(nn.Module):
         if form == "expanded":                                                    # per-head K / V, then MHA
             out = dispatch.expanded_attention(q_nope, q_pe, batch, ckv, kpe, w, self.scale)   # [N, h, v]
             return self.o_proj(out.reshape(N, h * self.v_dim))
-        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)                        # [N, h, R]
+        q_lat = torch.einsum("nhd,hdr->nhr", dispatch.gemm_ready(q_nope), w_uk)[:N]   # [N, h, R]
         if form == "absorbed":
             out_lat = dispatch.prefill_attention(q_lat, q_pe, batch, ckv, kpe, self.scale)   # [N, h, R]
         elif picks is None:
@@ -91,9 +91,11 @@ class MLAttention(nn.Module):
         N, h, _ = out_lat.shape
         if torch.is_grad_enabled():
             return torch.einsum("nhr,hvr->nhv", out_lat, w_uv).reshape(N, h * self.v_dim)
-        out = out_lat.new_empty(max(N, gemm_rows(out_lat)), h * self.v_dim)[:N]
-        torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.view(N, h, self.v_dim).transpose(0, 1))
-        return out
+        out_lat = dispatch.gemm_ready(out_lat)                                    # CPU: 1-3 rows as 4
+        M = out_lat.shape[0]
+        out = out_lat.new_empty(max(M, gemm_rows(out_lat)), h * self.v_dim)[:M]
+        torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.view(M, h, self.v_dim).transpose(0, 1))
+        return out[:N]
 
     def project(self, x: torch.Tensor):
         # x: [N, D] -> (q [N, h * qk], q_latent [N, q_lora] | None, kv_a [N, R + P]); the two projections that read x

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import dispatch
+from kernels.rows import CPU_GEMM_ROWS
 from models.config import ModelConfig, yarn_get_mscale
 from models.parallel import ParallelState, SINGLE, all_gather_cols, all_reduce
 
@@ -88,15 +89,16 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., in] . w [out, in] by cuBLAS. On CUDA a call of fewer than LINEAR_ROWS rows runs as LINEAR_ROWS
     rows: cuBLAS picks its kernel by row count, and an H200's bf16 GEMM at V2-Lite's dense MLP gives a row other
     bits among 32 rows than among 8 (BENCHMARKS.md "Lossless at any batch"), so without one class a verify
-    row could part from its decode row at a near-tie. Rows never mix in a GEMM: padding rows change no other
-    row. When x is the first rows of a contiguous buffer of LINEAR_ROWS rows or more (gemm_rows; buffer_rows
-    finds it), the GEMM runs on that."""
+    row could part from its decode row at a near-tie; on a CPU 1 to 3 rows run as 4 (kernels/rows.gemm_ready).
+    Rows never mix in a GEMM: padding rows change no other row. When x is the first rows of a contiguous buffer
+    of that many rows or more (gemm_rows; buffer_rows finds it), the GEMM runs on that."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (x.is_cuda and 0 < m < LINEAR_ROWS) or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+    least = LINEAR_ROWS if x.is_cuda else CPU_GEMM_ROWS          # CPU: 1-3 rows as 4 (kernels/rows.py)
+    if not 0 < m < least or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return F.linear(x, w)
-    rows = buffer_rows(x, LINEAR_ROWS)
+    rows = buffer_rows(x, least)
     if rows is None:
-        rows = torch.empty(LINEAR_ROWS, x.shape[-1], dtype=x.dtype, device=x.device)
+        rows = torch.empty(least, x.shape[-1], dtype=x.dtype, device=x.device)
         rows[:m].copy_(x.reshape(m, -1))
     return F.linear(rows, w)[:m].view(*x.shape[:-1], w.shape[0])
 

@@ -100,8 +100,11 @@ def main(argv=None) -> int:
     p.add_argument("--drafts", type=int, default=3, help="K: the verify has K + 1 rows")
     p.add_argument("--batches", default="1", help="comma-separated batch sizes B, a probe each")
     p.add_argument("--prompt-tokens", type=int, default=24)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the services use 1; CPU GEMMs give a "
+                   "row other bits at other row counts on more threads, BENCHMARKS.md \"Lossless on the CPU\")")
     p.add_argument("--out", default="results/rows")
     a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
     device = "cuda:0" if a.device == "cuda" else a.device
     if device.startswith("cuda"):
         os.environ.setdefault("TANDEM_ATTENTION", "triton")               # the kernel CUDA graphs run

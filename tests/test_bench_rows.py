@@ -1,5 +1,7 @@
 """`tandem bench rows` on CPU: the probe's hooks, its comparison and its report; a verify of one row (no drafts)
-against the decode must find no difference (the probe itself is deterministic), one request or several."""
+against the decode must find no difference (the probe itself is deterministic), one request or several; nor may
+a verify of 4 rows, in fp32 or fp8, the tiny model's or the bundled one's (one thread, as the services run: CPU
+GEMMs of 1 to 3 rows run as 4, the router's elementwise work on whole vectors, kernels/rows.py)."""
 import json
 
 import torch
@@ -15,11 +17,15 @@ def test_bench_rows_reports_each_quantization_and_batch(tmp_path):
     r = json.loads((out / "rows.json").read_text())
     assert [(x["quantization"], x["batch"]) for x in r["runs"]] == [("none", 1), ("none", 3), ("fp8", 1), ("fp8", 3)]
     for run in r["runs"]:      # the tiny model's modules with a row a token (the MLA's latent write is one call)
-        assert run["rows"] == 4 and run["compared"] > 15
-        for d in run["differ"]:
-            assert d["module"] and (d["max_abs_diff"] is None or d["max_abs_diff"] > 0), d
-            assert 1 <= d["rows_differ"] <= run["batch"], d
-    assert "| none | 3 | 4 |" in (out / "rows.md").read_text()
+        assert run["rows"] == 4 and run["compared"] > 15 and run["differ"] == [], run["differ"][:3]
+    assert "| none | 3 | 4 | " in (out / "rows.md").read_text()
+
+
+def test_bench_rows_bundled_model_verify_rows_are_decode_rows(tmp_path):
+    """The bundled model (20 layers, 8 experts: a [1, 8] router row once took other sigmoid bits than a [4, 8] one)."""
+    assert bench_main(["rows", "--device", "cpu", "--batches", "1,2", "--out", str(tmp_path)]) == 0
+    for run in json.loads((tmp_path / "rows.json").read_text())["runs"]:
+        assert run["rows"] == 4 and run["compared"] > 100 and run["differ"] == [], run["differ"][:3]
 
 
 def test_bench_rows_one_row_against_one_row_is_identical(tmp_path):

@@ -14,12 +14,28 @@ from models.moe import router_logits
 CUDA = torch.cuda.is_available()
 
 
-def test_router_logits_are_fp32_linear_on_cpu():
-    w, x = torch.randn(8, 32), torch.randn(3, 32).bfloat16()
-    for m in (1, 3):
+def test_router_logits_are_fp32_and_a_rows_own_on_cpu():
+    """fp32 logits; a row's bits the same at 1 to 3 rows (run as 4: kernels/rows.gemm_ready) as among 16 (one
+    thread, as conftest and the services set)."""
+    w, x = torch.randn(8, 32), torch.randn(16, 32).bfloat16()
+    full = F.linear(x.float(), w)
+    for m in (1, 2, 3, 5):
         out = router_logits(x[:m], w)
         assert out.dtype == torch.float32 and out.shape == (m, 8)
-        assert torch.equal(out, F.linear(x[:m].float(), w))
+        assert torch.equal(out, full[:m])
+
+
+def test_route_of_a_row_does_not_depend_on_the_rows_beside_it_on_cpu():
+    """The reference expert choice on whole vectors: a [1, 8] tensor's sigmoid once gave a row other bits than
+    the same row among 4 (the bundled model's router: 8 experts)."""
+    from kernels.router import RouteSpec, select
+    g = torch.Generator().manual_seed(4)          # rows 1-3 of these take other bits unpadded
+    logits, bias = torch.randn(64, 8, generator=g), torch.randn(8, generator=g) * 0.1
+    spec = RouteSpec(sigmoid=True, n_group=2, topk_group=1, top_k=2, noaux=True, norm=True, scale=2.5)
+    w64, i64 = select(logits, bias, spec)
+    for m in range(1, 64):
+        w, i = select(logits[:m], bias, spec)
+        assert torch.equal(w, w64[:m]) and torch.equal(i, i64[:m]), m
 
 
 @pytest.mark.gpu
