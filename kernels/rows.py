@@ -6,13 +6,15 @@ trimmed back to the true N rows. models/model.py pads, shards and trims through 
 
 CPU GEMM rows: PyTorch's CPU fp32 GEMM (one thread, as the services run) gives a row the same bits at any row count
 of 4 or more, other bits at 1 to 3 (BENCHMARKS.md "Lossless on the CPU"), so a decode step's rows would part from a
-verify step's at a near-tie; gemm_ready pads a CPU GEMM's left operand to 4 rows (rows never mix in a GEMM).
+verify step's at a near-tie; gemm_ready pads a CPU GEMM's left operand to 4 rows (rows never mix in a GEMM; the
+class is probed once a process, cpu_gemm_rows, as another CPU's BLAS may start it elsewhere).
 Its vectorized elementwise functions (sigmoid) give an element other bits in a loop's scalar tail than in its
 vector body, so a [1, 8] tensor's row is not the same row of a [4, 8] one; vector_ready pads a CPU tensor's rows
 until its elements fill whole vectors (no tail).
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -49,15 +51,42 @@ def take_spans(x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     return x[torch.cat([torch.arange(s, e) for s, e in spans]).to(x.device)]
 
 
-CPU_GEMM_ROWS = int(os.environ.get("TANDEM_CPU_GEMM_ROWS", "4"))    # 1: off (to measure what it costs)
+_cpu_rows: int | None = None
+
+
+def cpu_gemm_rows() -> int:
+    """Rows a CPU GEMM runs as at least: TANDEM_CPU_GEMM_ROWS (1: off, to measure what it costs), else probed once in
+    this process at its thread count: the smallest of 4, 8, 16, 32 from which its fp32 GEMM gives a row the same bits
+    at any row count and position (4 on this project's CPU, one thread); 1 where none does (several threads)."""
+    global _cpu_rows
+    if _cpu_rows is None:
+        env = os.environ.get("TANDEM_CPU_GEMM_ROWS", "")
+        _cpu_rows = int(env) if env else _probe_rows()
+        if _cpu_rows == 1 and not env:
+            logging.getLogger("tandem").warning("this CPU's GEMM gives a row other bits at other row counts from 4 to "
+                                                "32 (%d threads): a verify row may part from its decode row at a "
+                                                "near-tie (kernels/rows.py)", torch.get_num_threads())
+    return _cpu_rows
+
+
+def _probe_rows() -> int:
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.randn(80, k, generator=g), torch.randn(n, k, generator=g)) for n, k in ((96, 256), (64, 1024))]
+    full = [x[:72] @ w.t() for x, w in cases]
+    for r in (4, 8, 16, 32):
+        if all(torch.equal(x[s:s + m] @ w.t(), f[s:s + m]) for (x, w), f in zip(cases, full)
+               for s in (0, 3) for m in range(r, 2 * r + 5)):
+            return r
+    return 1
 
 
 def gemm_ready(x: torch.Tensor) -> torch.Tensor:
-    # x: [M, ...], the left operand of a GEMM over its rows -> [max(M, 4), ...] on a CPU (zero rows appended), else x
+    # x: [M, ...], the left operand of a GEMM over its rows -> at least cpu_gemm_rows() rows on a CPU (zero rows
+    # appended), else x
     m = x.shape[0]
-    if x.is_cuda or m >= CPU_GEMM_ROWS or m == 0:
+    if x.is_cuda or m == 0 or m >= cpu_gemm_rows():
         return x
-    return torch.cat([x, x.new_zeros(CPU_GEMM_ROWS - m, *x.shape[1:])])
+    return torch.cat([x, x.new_zeros(cpu_gemm_rows() - m, *x.shape[1:])])
 
 
 CPU_VECTOR = 64                     # elements: a multiple of every CPU vector loop's step (AVX-512 x 4 floats)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import dispatch
-from kernels.rows import CPU_GEMM_ROWS
+from kernels.rows import cpu_gemm_rows
 from models.config import ModelConfig, yarn_get_mscale
 from models.parallel import ParallelState, SINGLE, all_gather_cols, all_reduce
 
@@ -93,7 +93,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     Rows never mix in a GEMM: padding rows change no other row. When x is the first rows of a contiguous buffer
     of that many rows or more (gemm_rows; buffer_rows finds it), the GEMM runs on that."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    least = LINEAR_ROWS if x.is_cuda else CPU_GEMM_ROWS          # CPU: 1-3 rows as 4 (kernels/rows.py)
+    least = LINEAR_ROWS if x.is_cuda else cpu_gemm_rows()        # CPU: 1-3 rows as 4 (kernels/rows.py)
     if not 0 < m < least or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return F.linear(x, w)
     rows = buffer_rows(x, least)
