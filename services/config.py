@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from dataclasses import dataclass, fields
 
@@ -48,8 +47,9 @@ FLAG_HELP = {
     "no_local_lane": "answer the round call (the target's Verify, the draft's Propose) over gRPC only; by default it "
                      "is also answered on an abstract Unix socket that a gateway in this host and network namespace "
                      "uses instead (GetInfo local_lane; never with TLS)",
-    "threads": "torch CPU threads. On a CPU more than one breaks batch invariance: a row's GEMM bits then "
-               "depend on the step's row count, so a greedy K > 0 output may part from K = 0's at a near-tie",
+    "threads": "torch CPU threads. On a CPU the row count from which a GEMM gives each row its own bits is probed "
+               "at this count (kernels/rows.cpu_gemm_rows: 4 on one thread, 16 on two on this project's CPU); "
+               "where none holds it warns, and greedy K > 0 may part from K = 0 at a near-tie",
     "lane_spin_ms": "the local lane's reader polls without sleeping this long after each call before it blocks, so the "
                     "next round's call finds it awake (one CPU busy meanwhile). -1: 50 on CUDA, 0 on CPU (its cores "
                     "compute)",
@@ -197,9 +197,5 @@ def parse(role: str, argv, description: str) -> ServiceConfig:
 def setup_torch(cfg: ServiceConfig) -> None:
     if cfg.device == "cpu":
         torch.set_num_threads(cfg.threads)
-        if cfg.threads > 1:
-            logging.getLogger(f"tandem.{cfg.role}").warning(
-                "--threads %d on a CPU: a row's GEMM bits depend on the step's row count with more than one thread, "
-                "so greedy speculation may part from K = 0 at a near-tie (kernels/rows.py)", cfg.threads)
     else:
         torch.cuda.set_device(torch.device(cfg.rank_device))
