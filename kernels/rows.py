@@ -7,7 +7,7 @@ trimmed back to the true N rows. models/model.py pads, shards and trims through 
 CPU GEMM rows: PyTorch's CPU fp32 GEMM (one thread, as the services run) gives a row the same bits at any row count
 of 4 or more, other bits at 1 to 3 (BENCHMARKS.md "Lossless on the CPU"), so a decode step's rows would part from a
 verify step's at a near-tie; gemm_ready pads a CPU GEMM's left operand to 4 rows (rows never mix in a GEMM; the
-class is probed once a process, cpu_gemm_rows, as another CPU's BLAS may start it elsewhere).
+class is probed once a process per thread count, cpu_gemm_rows, as another CPU's BLAS may start it elsewhere).
 Its vectorized elementwise functions (sigmoid) give an element other bits in a loop's scalar tail than in its
 vector body, so a [1, 8] tensor's row is not the same row of a [4, 8] one; vector_ready pads a CPU tensor's rows
 until its elements fill whole vectors (no tail).
@@ -51,22 +51,23 @@ def take_spans(x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     return x[torch.cat([torch.arange(s, e) for s, e in spans]).to(x.device)]
 
 
-_cpu_rows: int | None = None
+_cpu_rows: dict[int, int] = {}      # torch CPU threads -> rows (a process may change its thread count)
 
 
 def cpu_gemm_rows() -> int:
     """Rows a CPU GEMM runs as at least: TANDEM_CPU_GEMM_ROWS (1: off, to measure what it costs), else probed once in
-    this process at its thread count: the smallest of 4, 8, 16, 32 from which its fp32 GEMM gives a row the same bits
-    at any row count and position (4 on this project's CPU, one thread); 1 where none does (several threads)."""
-    global _cpu_rows
-    if _cpu_rows is None:
+    this process per thread count: the smallest of 4, 8, 16, 32 from which its fp32 GEMM gives a row the same bits
+    at any row count and position (4 on this project's CPU on one thread, 16 on two); 1 where none does."""
+    threads = torch.get_num_threads()
+    rows = _cpu_rows.get(threads)
+    if rows is None:
         env = os.environ.get("TANDEM_CPU_GEMM_ROWS", "")
-        _cpu_rows = int(env) if env else _probe_rows()
-        if _cpu_rows == 1 and not env:
+        rows = _cpu_rows[threads] = int(env) if env else _probe_rows()
+        if rows == 1 and not env:
             logging.getLogger("tandem").warning("this CPU's GEMM gives a row other bits at other row counts from 4 to "
                                                 "32 (%d threads): a verify row may part from its decode row at a "
-                                                "near-tie (kernels/rows.py)", torch.get_num_threads())
-    return _cpu_rows
+                                                "near-tie (kernels/rows.py)", threads)
+    return rows
 
 
 def _probe_rows() -> int:
@@ -84,9 +85,10 @@ def gemm_ready(x: torch.Tensor) -> torch.Tensor:
     # x: [M, ...], the left operand of a GEMM over its rows -> at least cpu_gemm_rows() rows on a CPU (zero rows
     # appended), else x
     m = x.shape[0]
-    if x.is_cuda or m == 0 or m >= cpu_gemm_rows():
+    if x.is_cuda or m == 0:
         return x
-    return torch.cat([x, x.new_zeros(cpu_gemm_rows() - m, *x.shape[1:])])
+    least = cpu_gemm_rows()
+    return x if m >= least else torch.cat([x, x.new_zeros(least - m, *x.shape[1:])])
 
 
 CPU_VECTOR = 64                     # elements: a multiple of every CPU vector loop's step (AVX-512 x 4 floats)

@@ -50,3 +50,16 @@ def test_compare_takes_each_requests_first_verify_row():
     verify[2, 1] += 1                                                     # request 1's first row
     assert compare([("m", decode)], [("m", verify)], 3, 2) == [{"module": "m", "max_abs_diff": 1.0, "rows_differ": 1}]
     assert compare([("grouped", torch.zeros(5, 2))], [("grouped", torch.ones(7, 2))], 3, 2) == []   # not a row a token
+
+
+def test_cpu_gemm_rows_follows_the_thread_count():
+    """The row class is probed per thread count: a process that changes its threads after its first GEMM (a bench
+    run after another) must not keep the old count's class (16 on two threads here, 4 on one)."""
+    from kernels.rows import _probe_rows
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1, 2):
+            torch.set_num_threads(threads)
+            assert cpu_gemm_rows() == _probe_rows(), threads
+    finally:
+        torch.set_num_threads(before)
