@@ -98,6 +98,8 @@ def run_service(role: str, argv: list[str], description: str, model_cls, engine_
         finally:
             if lane is not None:
                 lane.close()
+            if channel is not None:
+                channel.close()                    # its threads leave their store calls before the interpreter exits
             group.close()
     finally:
         for w in workers:

@@ -3,15 +3,18 @@
 Two processes, target side on cuda:0 and draft side on cuda:1 (NCCL), both on cuda:0 (CUDA IPC, `--device
 cuda` with one GPU), or both on the CPU (gloo, or with `--transport shm` the shared-memory ring). For each batch B
 a transfer is B x (K+1) rows x hidden (bf16), what one round moves:
-  bridge: the draft's RowChannel.take(transfer_id) wall time (NCCL / gloo: a pull through the store, the
-          target's ack, a header and the payload on the channel's stream, the rows parked by send() before;
-          the rings (IPC, shm): the copy out of the slot the target pushed, its copy already done);
+  bridge: NCCL / gloo: from the target's RowChannel.send(transfer_id) to the draft's take returning the rows,
+          which the target pushed meanwhile (services/bridge/push.py: the header through the store, the payload
+          by p2p, received by the draft's drain thread); the rings (IPC, shm): the draft's take wall time, the
+          copy out of the slot the target pushed, its copy already done;
+  take:   NCCL / gloo: the draft's take of a transfer that landed already (what a Propose pays when its rows
+          arrived before it);
   check:  rings only: the finiteness check (services/bridge/rows.check_finite) run after the take, a second
           sync; checked take: the take as the draft's Propose runs it, the check's reduction enqueued before
           the take's one sync (RowChannel.take with a field);
-  bare:   rank 0's dist.send of the same bytes followed by a 4-byte dist.recv acknowledgement (one round trip,
-          synchronized), on a plain process group; rings: the draft's own copy of the bytes on its device,
-          synchronized (NCCL refuses two ranks on one GPU).
+  bare:   NCCL / gloo: rank 0's dist.send of the same bytes on a plain process group, from the send to rank 1's
+          dist.recv returning them (synchronized; one way, as the bridge figure: one clock on one host); rings:
+          the draft's own copy of the bytes on its device, synchronized (NCCL refuses two ranks on one GPU).
 Medians after --warmup transfers.
 """
 from __future__ import annotations
@@ -40,7 +43,7 @@ def _wait_ready(ch, timeout_s: float = 120.0) -> None:
         time.sleep(0.01)
 
 
-def _worker(rank: int, cfg: dict, barrier, results) -> None:
+def _worker(rank: int, cfg: dict, barrier, stamp, results) -> None:
     import torch
     import torch.distributed as dist
     from services.bridge.channel import RowChannel
@@ -54,47 +57,49 @@ def _worker(rank: int, cfg: dict, barrier, results) -> None:
     shapes = {b: (b * (cfg["k"] + 1), cfg["hidden"]) for b in cfg["batches"]}
     ch = RowChannel(cfg["addr"], "sender" if rank == 0 else "receiver", backend, dev, hello={"bench": "bridge"})
     _wait_ready(ch)
-    out: dict[str, dict] = {"bridge": {}, "bare": {}, "check": {}, "served": {}}
+    out: dict[str, dict] = {"bridge": {}, "bare": {}, "check": {}, "served": {}, "take": {}}
     if ring:
         _ring_worker(rank, ch, shapes, n, warm, dtype, dev, sync, barrier, out)
         results.put((rank, out))
         return
-    if rank == 0:
-        for b, shape in shapes.items():                       # park every transfer before the pulls
-            rows = torch.randn(shape, device=dev).to(dtype)
-            for i in range(n):
-                ch.send(_tid(b, i), rows)
-        sync()
-        barrier.wait()
-        barrier.wait()                                         # the receiver has pulled them all
-    else:
-        barrier.wait()
-        for b, shape in shapes.items():
-            times = []
-            for i in range(n):
+    for b, shape in shapes.items():
+        rows = torch.randn(shape, device=dev).to(dtype)
+        pushed, taken = [], []
+        for i in range(n):
+            barrier.wait()
+            if rank == 0:
+                sync()
+                stamp.value = time.perf_counter()
+                ch.send(_tid(b, 2 * i), rows)
+                ch.send(_tid(b, 2 * i + 1), rows)             # lands while the draft takes the first
+            else:
+                got = ch.take(_tid(b, 2 * i), 60.0)           # waits for the push to land
+                pushed.append(time.perf_counter() - stamp.value)
+                time.sleep(0.005)
                 t0 = time.perf_counter()
-                rows = ch.take(_tid(b, i), 60.0)               # synchronizes the channel's stream
-                times.append(time.perf_counter() - t0)
-                assert tuple(rows.shape) == shape, (rows.shape, shape)
-            out["bridge"][b] = statistics.median(times[warm:])
-        barrier.wait()
+                ch.take(_tid(b, 2 * i + 1), 60.0)
+                taken.append(time.perf_counter() - t0)
+                assert tuple(got.shape) == shape, (got.shape, shape)
+            barrier.wait()
+        if rank == 1:
+            out["bridge"][b], out["take"][b] = statistics.median(pushed[warm:]), statistics.median(taken[warm:])
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{cfg['port2']}", rank=rank, world_size=2)
-    ack = torch.zeros(4, dtype=torch.uint8, device=dev)
     for b, (rows, hidden) in shapes.items():
         payload = torch.empty(rows, hidden * torch.finfo(dtype).bits // 8, dtype=torch.uint8, device=dev)
         times = []
         for _ in range(n):
-            sync()
-            t0 = time.perf_counter()
+            barrier.wait()
             if rank == 0:
+                sync()
+                stamp.value = time.perf_counter()
                 dist.send(payload, 1)
-                dist.recv(ack, 1)
             else:
                 dist.recv(payload, 0)
-                dist.send(ack, 0)
-            sync()
-            times.append(time.perf_counter() - t0)
-        out["bare"][b] = statistics.median(times[warm:])
+                sync()
+                times.append(time.perf_counter() - stamp.value)
+            barrier.wait()
+        if rank == 1:
+            out["bare"][b] = statistics.median(times[warm:])
     dist.destroy_process_group()
     results.put((rank, out))
 
@@ -149,8 +154,8 @@ def run(device: str, batches: list[int], k: int, hidden: int, dtype: str, warmup
         transport = "gloo" if device == "cpu" else "nccl" if torch.cuda.device_count() >= 2 else "ipc"
     cfg = dict(device=device, transport=transport, batches=batches, k=k, hidden=hidden, dtype=dtype, warmup=warmup,
                iters=iters, addr=f"127.0.0.1:{port}", port2=port2)
-    barrier, results = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, cfg, barrier, results), daemon=True) for r in (0, 1)]
+    barrier, results, stamp = ctx.Barrier(2), ctx.Queue(), ctx.Value("d", 0.0)   # perf_counter: one clock a host
+    procs = [ctx.Process(target=_worker, args=(r, cfg, barrier, stamp, results), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
     got, deadline = {}, time.monotonic() + 600
@@ -172,23 +177,26 @@ def run(device: str, batches: list[int], k: int, hidden: int, dtype: str, warmup
     rows = []
     for b in batches:
         nbytes = b * (k + 1) * hidden * elem
-        bridge, bare = got[1]["bridge"][b], got[1 if transport in RINGS else 0]["bare"][b]
+        bridge, bare = got[1]["bridge"][b], got[1]["bare"][b]
         rows.append({"transport": transport, "batch": b, "rows": b * (k + 1), "bytes": nbytes,
                      "bridge_us": 1e6 * bridge, "check_us": 1e6 * got[1]["check"].get(b, float("nan")),
                      "checked_take_us": 1e6 * got[1]["served"].get(b, float("nan")),
+                     "landed_take_us": 1e6 * got[1]["take"].get(b, float("nan")),
                      "bare_us": 1e6 * bare, "ratio": bridge / bare, "bridge_gb_s": nbytes / bridge / 1e9})
     return rows
 
 
 def table(rows: list[dict]) -> str:
     ipc = rows and rows[0]["transport"] in RINGS
-    bare = "bare copy, synchronized µs" if ipc else "bare send + ack µs"
-    lines = [f"| batch | rows (B x (K+1)) | bytes | bridge take µs | {bare} | bridge / bare | bridge GB/s"
-             + (" | check after the take µs | checked take (one sync) µs |" if ipc else " |"),
-             "|---|---|---|---|---|---|---|" + ("---|---|" if ipc else "")]
+    bare = "bare copy, synchronized µs" if ipc else "bare send, one way µs"
+    bridge = "bridge take µs" if ipc else "bridge: send to rows at the draft µs"
+    lines = [f"| batch | rows (B x (K+1)) | bytes | {bridge} | {bare} | bridge / bare | bridge GB/s"
+             + (" | check after the take µs | checked take (one sync) µs |" if ipc else " | take of landed rows µs |"),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if ipc else "---|")]
     lines += [f"| {r['batch']} | {r['rows']} | {r['bytes']} | {r['bridge_us']:.1f} | {r['bare_us']:.1f} | "
               f"{r['ratio']:.2f} | {r['bridge_gb_s']:.2f} |"
-              + (f" {r['check_us']:.1f} | {r['checked_take_us']:.1f} |" if ipc else "") for r in rows]
+              + (f" {r['check_us']:.1f} | {r['checked_take_us']:.1f} |" if ipc else f" {r['landed_take_us']:.1f} |")
+              for r in rows]
     return "\n".join(lines)
 
 

@@ -172,6 +172,7 @@ def test_bench_bridge_over_gloo(tmp_path):
     assert main(["--device", "cpu", "--batches", "1,8", "--warmup", "2", "--iters", "5", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bridge.json").read_text())
     assert [r["rows"] for r in rows] == [4, 32] and all(r["bridge_us"] > 0 and r["bare_us"] > 0 for r in rows)
+    assert all(0 < r["landed_take_us"] < r["bridge_us"] for r in rows), rows     # pushed: landed before the take
 
 
 def test_bench_bridge_times_a_ring_take(tmp_path):

@@ -1,6 +1,7 @@
 """The hidden-row bridge comes back after either end restarts (services/bridge/generations.py), with the
 other end in a real process that is SIGKILLed and started again: shared memory on CPU (asked for as
-`auto`) and gloo (asked for); with CUDA also CUDA IPC (both ends on one GPU) and NCCL (two GPUs), as `auto`.
+`auto`) and gloo (asked for); with CUDA also CUDA IPC (both ends on one GPU) and NCCL (two GPUs), as `auto`, and
+gloo between two processes on one GPU (the push's CUDA stream handling; NCCL refuses two ranks on one GPU).
 
 A draft that restarts joins the next generation; the target leaves the old one and pairs with it (the
 same handshake as at start-up), and rows move again. A target that restarts hosts a new store; the
@@ -30,6 +31,8 @@ GPUS = torch.cuda.device_count()
 PAIRS = [pytest.param("cpu", "cpu", "auto", "shm", id="shm"),  # (target's device, draft's, asked, the transport)
          pytest.param("cpu", "cpu", "gloo", "gloo", id="gloo"),
          pytest.param("cuda:0", "cuda:0", "auto", "ipc", id="ipc", marks=pytest.mark.skipif(GPUS < 1, reason="needs CUDA")),
+         pytest.param("cuda:0", "cuda:0", "gloo", "gloo", id="gloo-cuda",    # the push's CUDA streams, on one GPU
+                      marks=pytest.mark.skipif(GPUS < 1, reason="needs CUDA")),
          pytest.param("cuda:0", "cuda:1", "auto", "nccl", id="nccl",
                       marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs"))]
 PEER = """
@@ -124,3 +127,29 @@ def test_the_draft_joins_a_restarted_target(target_dev, draft_dev, want, transpo
         if draft is not None:
             draft.close()
         kill(target)
+
+
+def test_a_draft_that_stops_receiving_does_not_hold_the_target(monkeypatch):
+    """gloo / NCCL push: a draft that stops receiving (SIGSTOP: alive, its drain thread frozen) leaves a push in
+    flight; after push.PUSH_TIMEOUT_S the target ends that generation (NCCL: aborted) and pairs with the next
+    draft, whose rows move. Without the timeout the target's push thread waits on the frozen draft for good."""
+    from services.bridge import push
+    monkeypatch.setattr(push, "PUSH_TIMEOUT_S", 1.0)
+    addr = address()
+    target = RowChannel(addr, "sender", "gloo", "cpu", hello=HELLO, timeout_s=60)
+    draft = peer("receiver", addr, 1, "cpu", "gloo")
+    try:
+        until(lambda: target.state() == ("gloo", 1), 60, "the first draft connected (generation 1)")
+        target.send(1, ROWS)
+        assert draft.stdout.readline().strip() == f"took {ROWS.tolist()}"
+        draft.send_signal(signal.SIGSTOP)
+        target.send(2, torch.zeros(4096, 4096))       # 64 MiB: more than the socket buffers, so the push waits
+        until(lambda: target.state() == ("", 1), 10, "the target left the frozen draft's generation")
+        kill(draft)
+        draft = peer("receiver", addr, 3, "cpu", "gloo")
+        until(lambda: target.state() == ("gloo", 2), 60, "the next draft connected (generation 2)")
+        target.send(3, ROWS)
+        assert draft.stdout.readline().strip() == f"took {ROWS.tolist()}"
+    finally:
+        kill(draft)
+        target.close()

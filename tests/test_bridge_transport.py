@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -155,23 +156,55 @@ def test_auto_on_cpu_is_gloo_and_carries_empty_and_bf16_frames():
         assert got.dtype == rows.dtype and got.shape == rows.shape and torch.equal(got, rows)
 
 
-def test_parked_rows_are_bounded_oldest_dropped_first(monkeypatch):
-    """gloo / NCCL park rows until pulled: past PARK_MAX_BYTES the oldest go (rows a parked request's draft never
-    pulls must not pile up for the TTL); a pull of dropped rows is NOT_FOUND, the newest are still there."""
-    from services.bridge import channel
-    monkeypatch.setattr(channel, "PARK_MAX_BYTES", 3 * 100 * 8 * 4)            # three [100, 8] fp32 transfers
+def test_landed_rows_are_bounded_oldest_dropped_first(monkeypatch):
+    """gloo / NCCL push every transfer; the draft keeps those it has not taken (rows of a request its policy keeps
+    at k = 0 are never taken): past PARK_MAX_BYTES the oldest go, a take of dropped rows is NOT_FOUND at once (a
+    later transfer landed), the newest are still there."""
+    from services.bridge import push
+    monkeypatch.setattr(push, "PARK_MAX_BYTES", 3 * 100 * 8 * 4)               # three [100, 8] fp32 transfers
     sender, receiver = pair("gloo", "gloo")
     assert sender.ready and receiver.ready, (sender.error, receiver.error)
     rows = {tid: torch.full((100, 8), float(tid)) for tid in range(1, 6)}
     for tid, r in rows.items():
         sender.send(tid, r)
+    assert torch.equal(receiver.take(5, timeout_s=10), rows[5])                 # all five landed by now
     for tid in (1, 2):
+        t0 = time.monotonic()
         with pytest.raises(LookupError, match=f"transfer {tid} is not held by the target"):
             receiver.take(tid, timeout_s=10)
-    for tid in (3, 4, 5):
+        assert time.monotonic() - t0 < 0.5                                      # known gone: no wait
+    for tid in (3, 4):
         assert torch.equal(receiver.take(tid, timeout_s=10), rows[tid])
     sender.send(6, torch.zeros(2000, 8))                                        # one transfer over the cap is kept
     assert receiver.take(6, timeout_s=10).shape == (2000, 8)
+
+
+def test_a_pushed_transfer_is_taken_once_and_a_later_one_is_waited_for():
+    """A take of a transfer already taken is NOT_FOUND; a take of one not sent yet waits for it (the target sends
+    the next round's Propose before its rows), and one never sent is NOT_FOUND after RING_WAIT_S."""
+    import threading
+    from services.bridge.channel import RING_WAIT_S
+    sender, receiver = pair("gloo", "gloo")
+    assert sender.ready and receiver.ready, (sender.error, receiver.error)
+    sender.send(1, torch.ones(3, 8))
+    assert torch.equal(receiver.take(1, timeout_s=10), torch.ones(3, 8))
+    with pytest.raises(LookupError):
+        receiver.take(1, timeout_s=10)
+    threading.Timer(0.2, sender.send, (2, torch.full((4, 8), 2.0))).start()
+    t0 = time.monotonic()
+    assert torch.equal(receiver.take(2, timeout_s=10), torch.full((4, 8), 2.0))
+    assert 0.15 < time.monotonic() - t0 < RING_WAIT_S
+    t0 = time.monotonic()
+    with pytest.raises(LookupError):
+        receiver.take(3, timeout_s=10)
+    assert time.monotonic() - t0 >= RING_WAIT_S
+    rows = torch.randn(5, 8)
+    rows[2, 1] = float("nan")
+    sender.send(4, rows)
+    from services.bridge.rows import ContractError
+    with pytest.raises(ContractError, match="pushed holds non-finite values .* in 1 of 5 rows, first at row 2"):
+        receiver.take(4, timeout_s=10, field="pushed")
+    assert receiver.ready and sender.ready
 
 
 def test_contradicting_choices_fail_both_sides_naming_both():

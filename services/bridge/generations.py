@@ -10,12 +10,12 @@ records, so they agree, or both fail naming both.
 The store's server listens on the bridge address's host only (loopback by default), never on all
 interfaces: TCPStore binds every interface unless handed a socket (services/rendezvous.py).
 
-Generations: a draft that joins (at start, after a restart, or when its channel broke: a pull that
-timed out or came out of step) takes the next number of the store's JOINS counter, and both sides
+Generations: a draft that joins (at start, after a restart, or when its channel broke: a frame announced
+and not received in time, or a failed receive) takes the next number of the store's JOINS counter, and both sides
 handshake and open a transport again under that generation's keys, exactly as at start-up (link.py
 holds one generation). The target serves the newest join only: a watcher thread (its own store client)
 sees it within JOIN_POLL_S and wakes the store wait the target's thread is in, which closes the old
-generation (NCCL: aborted; parked rows dropped) and pairs with the new draft. The draft checks every
+generation (NCCL: aborted; frames not pushed yet dropped) and pairs with the new draft. The draft checks every
 KEEPALIVE_S that the target's store still answers; once the target restarted it connects to the new
 store and joins again. `state()` is what GetInfo reports: the transport connected now ("" while none
 is) and the generation; the gateway sends rows on the bridge again once both sides report the same.
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -33,6 +34,8 @@ import torch.distributed as dist
 from services.bridge.ipc import IpcReceiver, IpcSender, error_answer
 from services.bridge.shm import ShmReceiver, ShmSender
 from services.bridge.link import Link
+from services.bridge import push
+from services.bridge.push import FOREVER, WAKE, Frames, start_drain, wake
 from services.bridge.transport import TransportError, choose_transport, endpoint
 from services.rendezvous import tcp_store
 
@@ -41,8 +44,6 @@ JOINS = "tandem-bridge/joins"     # drafts that joined this store so far; the ne
 JOIN_POLL_S = 0.2                 # target: how often its watcher looks for a newer join
 KEEPALIVE_S = 1.0                 # draft: how often it checks that the target's store still answers
 REJOIN_S = 1.0                    # draft: pause before it joins again after its generation failed
-FOREVER = timedelta(days=365)
-WAKE = b"wake"                    # what the target's watcher writes into a key its thread waits for
 
 
 class HandshakeError(RuntimeError):
@@ -56,7 +57,7 @@ class Superseded(Exception):
 class Generations:
     """The generations of one end of a bridge: its store, the generation it is in, the link (link.py)
     it opened for it, and whether that link is ready. RowChannel (channel.py) adds what moves rows;
-    its `_serve_pulls` serves one generation's pulls on the target."""
+    its `_serve_pushes` pushes one generation's frames on the target."""
 
     def __init__(self, host: str, port: int, role: str, backend: str, device: torch.device, timeout_s: float,
                  hello: dict | None, ipc_bytes: int):
@@ -73,7 +74,7 @@ class Generations:
         self._link: Link | None = None                # the generation connected now
         self._rings: dict[str, IpcSender | ShmSender] = {}   # target: its rings by transport (ipc, shm), reused
         self._ready = threading.Event()
-        self._parked: dict[int, tuple[float, torch.Tensor, object]] = {}
+        self._frames = Frames()                       # target: frames not pushed yet; draft: landed, not taken
         self._lock = threading.Condition()            # the link, parked rows, the draft's store client
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.error: str | None = None
@@ -121,7 +122,7 @@ class Generations:
                     with self._cond:
                         self._cond.wait_for(lambda: self._latest > self.generation)
                     raise Superseded
-                self._serve_pulls()                  # until Superseded, or an error (the draft is gone)
+                self._serve_pushes()                 # until Superseded, or an error (the draft is gone)
             except Superseded:
                 log.info("bridge sender: a draft joined again; leaving generation %d", gen)
             except Exception as e:                   # the peer is gone, or another model: wait for a new join
@@ -142,9 +143,22 @@ class Generations:
                         self._cond.notify_all()
                 if key is not None:
                     client.compare_set(key, "", WAKE)     # only where the draft has not written it
+                self._unstick(latest)
             except Exception:                             # the watcher must outlive any surprise
                 log.exception("bridge sender: watching for new drafts failed")
             self._closed.wait(JOIN_POLL_S)
+
+    def _unstick(self, latest: int) -> None:
+        """Target: a push in flight that a newer draft superseded, or that the draft has not received within
+        PUSH_TIMEOUT_S (it died or hangs), ends its generation: closing the link aborts an NCCL group, which
+        frees the stream the push waits on (push.py)."""
+        link = self._link
+        since = link.pushing_since if link is not None else None
+        if since is not None and (latest > link.generation or time.monotonic() - since > push.PUSH_TIMEOUT_S):
+            log.error("bridge sender: a push of generation %d is not received after %.1fs%s; closing it",
+                      link.generation, time.monotonic() - since, " (a newer draft joined)" if latest > link.generation
+                      else "")
+            link.close()
 
     def _receiver_loop(self):
         """Draft: join, keep the generation until it breaks, join again (after a target restart: its new store)."""
@@ -187,8 +201,12 @@ class Generations:
             store = dist.PrefixStore(prefix + "pg", self._store)
             link.pg = (dist.ProcessGroupNCCL(store, self.rank, 2) if transport == "nccl"
                        else dist.ProcessGroupGloo(store, self.rank, 2, self._timeout))
+        self._frames.clear()                          # (target: frames made while no draft was connected)
         with self._lock:
             self._link, self.transport = link, transport
+        if link.pg is not None and self.role == "receiver":    # its own client: it waits for every header
+            start_drain(link, tcp_store(self._host, self._port, 2, False, FOREVER), self._frames, self._stream,
+                        self.device, self._drain_failed)
         self._ready.set()
         log.info("bridge %s connected (%s, %s, generation %d)", self.role, transport, self.device, gen)
 
@@ -196,14 +214,26 @@ class Generations:
         self.error = f"{type(e).__name__}: {e}"
         log.error("bridge %s failed (generation %d): %s", self.role, self.generation, self.error)
 
+    def _drain_failed(self, e: Exception) -> None:
+        """Draft: a receive failed; this generation is broken (the receiver loop joins again)."""
+        self._failed(e)
+        self._ready.clear()
+        self._frames.clear(broken=True)
+        self._broken.set()
+
     def _close(self) -> None:
-        """End the generation: not ready, its parked rows dropped, its transport closed."""
+        """End the generation: not ready, its frames dropped (takes waiting stop), its drain stopped, its transport
+        closed."""
         self._ready.clear()
         with self._lock:
             link, self._link = self._link, None
-            self._parked.clear()
+            self._frames.clear(broken=self.role == "receiver")
+            if link is not None and link.drain is not None:
+                wake(link, self._store)               # its drain thread leaves its store call
         if link is not None:
             link.close()
+            if link.drain is not None:
+                link.drain.join(timeout=1.0)         # out of its store call (not left in C++ at interpreter exit)
 
     def _wait(self, key: str, timeout: timedelta) -> bytes:
         """The value of `key` once set. Target: Superseded when a newer draft joined meanwhile (its
@@ -266,5 +296,5 @@ class Generations:
             slot.attach(self._wait(theirs, self._timeout))
         return slot
 
-    def _serve_pulls(self) -> None:
+    def _serve_pushes(self) -> None:
         raise NotImplementedError
