@@ -16,7 +16,9 @@ graphs are not wired here).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import time
 
@@ -154,12 +156,26 @@ class GraphedForward:
         graph = torch.cuda.CUDAGraph()
         # the engine's own stream: torch.cuda.graph's default capture stream is one per process, made on the
         # GPU that captured first, and would move a second engine's capture (draft on cuda:1) to that GPU
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
-                                                      capture_error_mode="thread_local"):
+        with gc_paused(), torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
+                                                                   capture_error_mode="thread_local"):
             out = self.fn(ids, *args, **kw)
         self.pool = graph.pool()
         log.debug("captured CUDA graph: %d requests, %d tokens %s", stage.b, stage.n, kw or "")
         return graph, out
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No garbage collection while a graph is captured: torch no longer collects before a capture, and a collection
+    during one runs finalizers on the capturing thread, where one that calls CUDA (a closed bridge generation's IPC
+    mapping, an event, a stream synchronized) invalidates the capture. Collected after it instead."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def eager_shapes(max_tokens: int) -> list[tuple[int, int]]:

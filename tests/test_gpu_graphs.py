@@ -116,3 +116,37 @@ def test_no_kernel_compiles_after_start(tmp_path):
     te.verify_and_prefill(drafts(ids, 3), None, new("d", 7, 60))            # 94 blocks: 12 splits, prompts riding
     grown = {k: n - before.get(k, 0) for k, n in compiled_variants().items() if n != before.get(k, 0)}
     assert not grown, f"kernels compiled after the start: {grown}"
+
+
+class _CudaFinalizer:
+    """Cyclic garbage whose finalizer calls CUDA, as a closed bridge generation's IPC mapping or events do."""
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        torch.cuda.current_stream().synchronize()      # not permitted on a capturing stream
+
+
+def test_no_garbage_collection_during_a_capture(tiny):
+    """A collection during a capture runs finalizers on the capturing thread (torch no longer collects before one):
+    with garbage like the bridge tests leave and a collection due at every allocation, graphs still capture
+    (models/cuda_graphs.gc_paused) and replay what the eager step computes. Without the pause: 'operation failed due
+    to a previous error during capture' (seen on an H100 after tests/test_bridge_generations.py)."""
+    import gc
+    model = tiny[0]
+    eager = _steps(model, new_cache(model, 64), model, PLAN[:2])
+    cache = new_cache(model, 64)
+    graphed = GraphedForward(model, cache, model.cfg.hidden_size, torch.float32, max_model_len=256, max_tokens=32)
+    gc.disable()
+    garbage = [_CudaFinalizer() for _ in range(200)]
+    del garbage
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    gc.enable()
+    try:
+        replayed = _steps(model, cache, graphed, PLAN[:2])
+    finally:
+        gc.set_threshold(*threshold)
+        gc.collect()
+    for a, b in zip(eager, replayed):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)

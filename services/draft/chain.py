@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket
+from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket, gc_paused
 from kernels.dispatch import argmax_rows, sampling_probs
 from infra.errors import KV_CACHE_FULL
 from models.batch import TwinBuffer, table_rows_end
@@ -191,8 +191,8 @@ class DraftChain:
             self._body(st, k_max, sampled, q_mass)
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
-                                                      capture_error_mode="thread_local"):
+        with gc_paused(), torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
+                                                                   capture_error_mode="thread_local"):
             out = self._body(st, k_max, sampled, q_mass)
         self.pool = graph.pool()
         return graph, st, out
