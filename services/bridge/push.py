@@ -141,6 +141,8 @@ def drain(link, client, frames: Frames, stream, device, failed) -> None:
     """Draft, one generation: receive every frame as its header arrives, in order, into `frames` with whether its
     rows are finite; ends when the generation stops (link.stop, its key woken by `wake`) or fails (`failed(e)`)."""
     try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)               # the current device is per thread (the draft may be on cuda:1)
         while not link.stop.is_set():
             key = f"{link.prefix}frame/{link.frames}"
             header = client.get(key)                                # waits for the key (the client's timeout: FOREVER)
