@@ -34,7 +34,7 @@ import torch
 
 from services.bridge.generations import JOIN_POLL_S, Generations, Superseded
 from services.bridge.ipc import DEFAULT_CAPACITY, IpcReceiver, IpcSender
-from services.bridge.push import _on, push_frame
+from services.bridge.push import on_stream, push_frame
 from services.bridge.rows import DTYPE_TO_PB, PB_TO_DTYPE, check_finite, finite_flag
 from services.bridge.shm import ShmReceiver, ShmSender
 from services.bridge.transport import TRANSPORTS
@@ -87,7 +87,7 @@ class RowChannel(Generations):
         with self._lock:
             ipc = self._link.ipc if self._link is not None else None
             if isinstance(ipc, RINGS_SENT):
-                with _on(self._stream):
+                with on_stream(self._stream):
                     if ready is not None:
                         self._stream.wait_event(ready)
                     ipc.push(transfer_id, rows.detach().to(self.device), DTYPE_TO_PB[rows.dtype], self._stream)

@@ -115,7 +115,7 @@ def push_frame(link, store, tid: int, rows: torch.Tensor, ready, stream) -> None
         return
     link.pushing_since = time.monotonic()
     try:
-        with _on(stream):
+        with on_stream(stream):
             if ready is not None:
                 stream.wait_event(ready)
             payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], row_bytes).to(link.wire)
@@ -150,7 +150,7 @@ def drain(link, client, frames: Frames, stream, device, failed) -> None:
                 return
             tid, n_rows, row_bytes, code = (int(x) for x in header.split(b","))
             frames.announce(tid)
-            with _on(stream):
+            with on_stream(stream):
                 payload = torch.empty(n_rows, row_bytes, dtype=torch.uint8, device=link.wire)
                 if n_rows:
                     link.pg.recv([payload], link.peer, 1).wait()
@@ -174,5 +174,5 @@ def wake(link, client) -> None:
         pass
 
 
-def _on(stream):
+def on_stream(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
