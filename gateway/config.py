@@ -55,6 +55,7 @@ class GatewayConfig:
     service_calls: str = "local"             # a round's Verify / Propose: local lane (else stream), stream, or unary
     overlap_rounds: bool = True              # the next round's Propose goes out before this round commits
     propose_ahead: bool = True               # ... from the target, named in the Verify (gateway/proposals.py)
+    join_ahead: bool = True                  # joining requests' first Propose computed in that push's pass
     mixed_prefill: bool = True               # a step's Prefill rides its round's Verify: one forward (gateway/chunking.py)
     busy_poll: bool = True                   # the loop polls, never sleeps, while a Verify / Propose is out
 
@@ -117,6 +118,9 @@ def parse(argv) -> GatewayConfig:
                    "send the next round's Propose from the gateway once the Verify has answered (default: where the "
                    "gateway reaches both services' local lanes, its Verify names the next round's draft work and the "
                    "target sends that Propose to the draft as soon as it has the tokens and rows: gateway/proposals.py)")
+    p.add_argument("--no-join-ahead", dest="join_ahead", action="store_false", help="send the first Propose of "
+                   "requests that joined as a Verify answered after that Verify's push, a second pass of the draft "
+                   "(default: it rides the push and the draft computes both in one: gateway/proposals.py join)")
     p.add_argument("--no-mixed-prefill", dest="mixed_prefill", action="store_false", help="prefill new prompts in "
                    "a call of their own before the round (default: while requests run, the step's Prefill rides the "
                    "round's Verify and the target computes both in one forward: gateway/chunking.py)")

@@ -59,14 +59,15 @@ class Proposal:
     deferred: list[str] = field(default_factory=list)   # finished meanwhile: draft Release once it answers
 
 
-async def send(s: Scheduler, spec: list[GenRequest], feed: list[GenRequest]) -> Proposal:
-    """Send the Propose of `spec` (their pending tokens and rows, k = round_k()) and `feed`'s chunks; returns
-    once the request is on its way (a lane's `begin`: written to the stream), its answer still to come."""
+async def send(s: Scheduler, spec: list[GenRequest], feed: list[GenRequest], ride: str = "") -> Proposal:
+    """Send the Propose of `spec` (their pending tokens and rows, k = round_k()) and `feed`'s chunks (riding the
+    push `ride`: `join`); returns once the request is on its way (a lane's `begin`: written to the stream), its
+    answer still to come."""
     sets, index = chunking.row_sets(spec + feed)
     preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
         request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.round_k(), sampling=r.sampling,
         position=r.draft.position, cached_tokens=r.draft.cached, rows_set=index[id(r.draft.rows)])
-        for r in spec] + chunking.feed_items(feed, index), hidden_rows=sets)
+        for r in spec] + chunking.feed_items(feed, index), hidden_rows=sets, ride_ahead_id=ride)
     timeout, by_deadlines = call_budget(spec, s.draft_timeout)
     begin = getattr(s.draft.Propose, "begin", None)      # gateway/lanes.py; other stubs start on the next turn
     sent = asyncio.get_running_loop().create_future()
@@ -119,7 +120,8 @@ def plan_ahead(s: Scheduler, batch: list[GenRequest], drafts: dict, vreq: target
         if k < 1 or r.draft.pending or r.draft.position == 0:     # (tokens the Verify does not carry)
             return plan
         items.append(target_pb2.AheadItem(request_id=r.id, num_draft_tokens=k, position=r.draft.position))
-    plan.message = target_pb2.ProposeAhead(ahead_id=f"{s.new_id()}-ahead", draft_lane=lane, items=items)
+    plan.message = target_pb2.ProposeAhead(ahead_id=f"{s.new_id()}-ahead", draft_lane=lane, items=items,
+                                           expect_join=s.join_ahead and bool(s.riding))   # (join rides it)
     vreq.ahead.CopyFrom(plan.message)
     return plan
 
@@ -149,17 +151,18 @@ async def after_verify(s: Scheduler, plan: AheadPlan | None, vresp, batch: list[
     return await send(s, spec, []) if spec else None
 
 
-async def join(s: Scheduler, reqs: list[GenRequest]) -> Proposal | None:
+async def join(s: Scheduler, reqs: list[GenRequest], ride: str = "") -> Proposal | None:
     """After a Prefill that rode the round's Verify (gateway/chunking.py): its row set goes to the draft in ONE
     Propose, sent now: the prompts prefilled to their end that speculate (their first drafts, collected by the next
     round: `collect_joined`) and the chunks or prompt-only feeds (no drafts). A row set is taken once, so they cannot
-    wait for two different calls."""
+    wait for two different calls. `ride`: the id of the push that Verify sent expecting this Propose (expect_join):
+    the draft computes both in one pass; sent even with no items, as the push waits for it."""
     new = [r for r in reqs if r in s.running and r.draft.speculate and not r.cancelled]
     feed, s.feed = [r for r in s.feed if r.draft.to_draft and not r.finished], []
-    if not new and not feed:
+    if not (new or feed or ride):
         return None
     s.policy.joining(new)
-    return await send(s, new, feed)
+    return await send(s, new, feed, ride)
 
 
 async def collect_joined(s: Scheduler, batch: list[GenRequest], split: dict[str, float]) -> dict | None:
@@ -214,9 +217,12 @@ async def collect(s: Scheduler, p: Proposal, batch: list[GenRequest],
         return {}
     s.avail.draft_proposed()
     split["propose"] += time.perf_counter() - t0
-    hops(s.draft.Propose, presp.timing, split)
-    split["transfer"] += presp.timing.transfer_seconds
-    split["draft_compute"] += presp.timing.compute_seconds
+    if presp.computed_with_ahead_id:            # one pass with a push: its timing counts once, at that collect
+        s.joins_ahead += 1
+    else:
+        hops(s.draft.Propose, presp.timing, split)
+        split["transfer"] += presp.timing.transfer_seconds
+        split["draft_compute"] += presp.timing.compute_seconds
     drafts = {}
     results = list(presp.results)
     chunking.fed(p.feed, results[len(p.spec):])

@@ -48,7 +48,7 @@ class Scheduler(Ending):
                  rpc_timeout_s: float = 60.0, transport: int = rows_pb2.TRANSPORT_UNSPECIFIED,
                  observer: Observer | None = None, draft_timeout_s: float = 10.0, max_waiting: int = 0, policy=None,
                  max_num_batched_tokens: int = 0, overlap: bool = True, propose_ahead: bool = True,
-                 mixed_prefill: bool = True):
+                 mixed_prefill: bool = True, join_ahead: bool = True):
         self.target, self.draft, self.eos = target, draft, eos_ids
         self.obs, self.policy = observer or Observer(), policy or FixedPolicy()   # policy: gateway/adaptive.py
         self.max_batch, self.timeout, self.transport, self.draft_timeout = max_batch, rpc_timeout_s, transport, draft_timeout_s
@@ -66,6 +66,7 @@ class Scheduler(Ending):
         self.inflight = InFlight()             # the Prefill, re-sync or round awaited now (target_lost cuts it)
         self.overlap = overlap                 # send the next round's Propose before committing (proposals.py)
         self.propose_ahead = propose_ahead     # ... from the target, named in the Verify (proposals.plan_ahead)
+        self.join_ahead = join_ahead           # joiners' first Propose rides that push (proposals.join)
         self.mixed_prefill = mixed_prefill     # a step's Prefill rides its round's Verify (gateway/chunking.py)
         self.riding: list[tuple[GenRequest, int]] = []     # that Prefill's items, until the Verify carries them
         self.joined: proposals.Proposal | dict | None = None   # its requests' first Propose (or its drafts): next round
@@ -74,6 +75,7 @@ class Scheduler(Ending):
         self.proposing: list[proposals.Proposal] = []      # Proposes not yet answered
         self._round_end, self._off_round = 0.0, 0.0        # the last round's end; calls between rounds since
         self.preemptions = self.freed = self.ahead_rounds = 0   # requests preempted, ended; Proposes sent ahead
+        self.joins_ahead = 0                                    # joins computed in one pass with a push
         self.mixed_prefills = 0                                 # Prefills that rode a Verify
         self.admit_cap = self.admit_after = None           # admission's cap and hold (gateway/preemption.py)
 
@@ -239,14 +241,22 @@ class Scheduler(Ending):
         if not overlap:
             self._commit_all(batch, vresp.results)
         self._close_round(batch, split, round_t0)
+        # its new requests join the next round, their drafts asked now: riding the push that expects them (before
+        # the push's collect takes the draft's lane), else after the commit
+        ride = plan.message.ahead_id if riding and vresp.ahead_sent and plan.message.expect_join else ""
+        if ride:
+            await self._join(riding, vresp, ride)
         if overlap or vresp.ahead_sent:     # the next round's drafts are computed while this round commits
             self.ahead = await proposals.after_verify(self, plan, vresp, batch)
             self.planned = self.ahead is None      # nobody to send: the next round needs no plan of its own
         if overlap:
             self._commit_all(batch, vresp.results)
-        if riding:                                # its new requests join the next round, their drafts asked now
-            chunking.rode(self, riding, vresp)
-            self.joined = await proposals.join(self, [r for r, _ in riding])
+        if riding and not ride:
+            await self._join(riding, vresp)
+
+    async def _join(self, riding: list[tuple[GenRequest, int]], vresp, ride: str = "") -> None:
+        chunking.rode(self, riding, vresp)
+        self.joined = await proposals.join(self, [r for r, _ in riding], ride)
 
     def _overlaps(self, batch: list[GenRequest]) -> bool:
         """Whether the next round's Propose goes out before this round commits: while the draft speculates

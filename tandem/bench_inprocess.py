@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -166,6 +167,7 @@ def run_grid(model: str, a, profile: str | None = None) -> list[dict]:
         for k in ks:
             rows.append(measure(te, de, prompts, k, b, a.max_tokens))
     del te, de
+    gc.collect()                    # the engines hold reference cycles: free their memory before a served run starts
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows

@@ -46,12 +46,12 @@ from tandem.bench_speed_report import expected_lengths, plot, table
 from tandem.v1 import generate_pb2_grpc
 
 VARIANTS = {"serial": ["--no-overlap-rounds"], "no-ahead": ["--no-propose-ahead"], "no-busy-poll": ["--no-busy-poll"],
-            "no-mixed": ["--no-mixed-prefill"], "halves": []}
+            "no-mixed": ["--no-mixed-prefill"], "no-join": ["--no-join-ahead"], "halves": []}
 
 
 def mode_args(mode: str) -> list[str]:
     """The gateway flags of a --speculation mode: fixed | adaptive, then any of /serial, /no-ahead, /no-busy-poll,
-    /no-mixed and /halves (no flag: two gateways, tandem/bench_served.py)."""
+    /no-mixed, /no-join and /halves (no flag: two gateways, tandem/bench_served.py)."""
     base, *variants = mode.split("/")
     if base not in ("fixed", "adaptive") or any(v not in VARIANTS for v in variants):
         raise SystemExit(f"--speculation: fixed or adaptive, each optionally followed by any of /{', /'.join(VARIANTS)}; "
@@ -82,7 +82,7 @@ def parse(argv):
                    "--ks chosen per request and round), or fixed,adaptive: both, a gateway each on one target and "
                    "draft; /serial after a mode runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial), "
                    "/no-ahead with --no-propose-ahead, /no-busy-poll with --no-busy-poll, /no-mixed with "
-                   "--no-mixed-prefill; /halves runs the mode on two gateways, each with half the clients, so the "
+                   "--no-mixed-prefill, /no-join with --no-join-ahead; /halves runs the mode on two gateways, each with half the clients, so the "
                    "services alternate between two micro-batches (e.g. fixed/no-busy-poll,fixed/halves/no-busy-poll)")
     p.add_argument("--workload", default="greedy", choices=["greedy", "mixed"], help="mixed: every other request "
                    "at temperature 1 (the synthetic acceptance applies to greedy ones only)")

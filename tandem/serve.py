@@ -50,6 +50,9 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--no-propose-ahead", dest="propose_ahead", action="store_false", help="gateway: send each "
                    "round's Propose itself (default: the target sends it to the draft from the Verify before, where "
                    "the services' local lanes reach each other: gateway/proposals.py)")
+    p.add_argument("--no-join-ahead", dest="join_ahead", action="store_false", help="gateway: joining requests' "
+                   "first Propose in a pass of its own (default: in the pass of the push it rides: "
+                   "gateway/proposals.py)")
     p.add_argument("--no-mixed-prefill", dest="mixed_prefill", action="store_false", help="gateway: prefill new "
                    "prompts in a call of their own (default: in the round's Verify forward: gateway/chunking.py)")
     p.add_argument("--service-calls", default="local", choices=("local", "stream", "unary"), help="gateway: each "
@@ -207,6 +210,7 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                  + ([] if a.busy_poll else ["--no-busy-poll"])
                                  + ([] if a.overlap_rounds else ["--no-overlap-rounds"])
                                  + ([] if a.propose_ahead else ["--no-propose-ahead"])
+                                 + ([] if a.join_ahead else ["--no-join-ahead"])
                                  + ([] if a.mixed_prefill else ["--no-mixed-prefill"]) + tls,
                  f"{a.host}:{a.grpc_port}"))
     return cmds

@@ -36,13 +36,14 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def push(sel
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, request):
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=7)
-    gateways = [{"name": "ahead"}, {"name": "sent", "args": ["--no-propose-ahead"]}, {"name": "plain", "k": 0}]
+    gateways = [{"name": "ahead"}, {"name": "sent", "args": ["--no-propose-ahead"]}, {"name": "plain", "k": 0},
+                {"name": "nojoin", "args": ["--no-join-ahead"]}]
     with Cluster(ckpt, k=K, gateways=gateways, hidden_transport="auto", log_dir=tmp_path_factory.mktemp("logs")) as c:
         yield from serve_module(c, request)
 
 
-def generate(gw, i: int, prompt: str, sampled: bool) -> tuple[list[int], int, int]:
-    r = gw.stub.Generate(gen.GenerateRequest(text=prompt, max_tokens=24, ignore_eos=True, seed=100 + i,
+def generate(gw, i: int, prompt: str, sampled: bool, max_tokens: int = 24) -> tuple[list[int], int, int]:
+    r = gw.stub.Generate(gen.GenerateRequest(text=prompt, max_tokens=max_tokens, ignore_eos=True, seed=100 + i,
                                              temperature=1.0 if sampled else 0.0), timeout=120)
     return list(r.token_ids), r.spec_stats.num_draft_tokens, r.spec_stats.num_accepted_tokens
 
@@ -53,10 +54,10 @@ def outputs(gw, sampled: bool) -> list[tuple[list[int], int, int]]:
         return list(pool.map(lambda ip: generate(gw, *ip, sampled), enumerate(PROMPTS)))
 
 
-def ahead_rounds(gw) -> float:
+def ahead_rounds(gw, name: str = "spec_decode_proposals_ahead") -> float:
     text = httpx.get(gw.http_url + "/metrics", timeout=30).text
-    m = re.search(r"^tandem:spec_decode_proposals_ahead_total\{[^}]*\} (\S+)$", text, re.M)
-    assert m, "no tandem:spec_decode_proposals_ahead_total in /metrics"
+    m = re.search(rf"^tandem:{name}_total\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m, f"no tandem:{name}_total in /metrics"
     return float(m.group(1))
 
 
@@ -92,6 +93,87 @@ def test_an_ahead_that_cannot_be_sent_is_invalid_argument(cluster, ahead, field)
         cluster.target.Verify(req, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ahead" in e.value.details()
     assert field in e.value.details(), e.value.details()
+
+
+def staggered(gw, max_tokens: int = 48) -> list[tuple[list[int], int, int]]:
+    """The prompts greedy: the first alone, then two at a time 50 ms apart, so they arrive while others run and
+    join them, several in one round."""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = []
+        for i, p in enumerate(PROMPTS):
+            futures.append(pool.submit(generate, gw, i, p, False, max_tokens))
+            if i % 2 == 0:
+                time.sleep(0.05)
+        return [f.result() for f in futures]
+
+
+@pytest.mark.slow
+def test_requests_that_join_ride_the_push_and_change_no_output(cluster):
+    """Requests whose prompts ride a Verify that pushes the next round's Propose join with their first Propose
+    computed in the push's pass (one chain of draft steps, not two in a row); their tokens stay plain decoding's."""
+    ahead, sent, plain = (next(g for g in cluster.gateways if g.name == n) for n in ("ahead", "sent", "plain"))
+    before = ahead_rounds(ahead, "spec_decode_joins_with_ahead")
+    got = staggered(ahead)
+    assert ahead_rounds(ahead, "spec_decode_joins_with_ahead") > before, "no join rode a push"
+    assert [t for t, _, _ in got] == [t for t, _, _ in staggered(plain)]
+    assert all(len(t) == 48 for t, _, _ in got) and sum(a for _, _, a in got) > 0
+    assert staggered(sent) == got           # the same drafts too: the same acceptance, request by request
+    nojoin = next(g for g in cluster.gateways if g.name == "nojoin")
+    assert staggered(nojoin) == got and ahead_rounds(nojoin) > 0      # pushed, their joins apart
+    assert ahead_rounds(sent, "spec_decode_joins_with_ahead") == ahead_rounds(nojoin, "spec_decode_joins_with_ahead") == 0
+
+
+@pytest.mark.slow
+def test_a_join_and_its_push_fail_together_with_the_pass(cluster):
+    """The draft computes a push and the join riding it in one pass: an empty pair answers both, the join marked
+    computed with the push; a join the contract refuses fails the pass, so the push's collect answers that status."""
+    def pair(aid: str, join_items: list) -> tuple:
+        push = cluster.draft.Propose.future(draft_pb2.ProposeRequest(ahead_id=aid, expect_join=True), timeout=30)
+        joined = cluster.draft.Propose.future(draft_pb2.ProposeRequest(ride_ahead_id=aid, items=join_items),
+                                              timeout=30)
+        assert push.result() == draft_pb2.ProposeResponse()          # a push is answered empty at once
+        return joined, cluster.draft.Propose.future(draft_pb2.ProposeRequest(collect_ahead_id=aid), timeout=30)
+    joined, collected = pair("join-test-ok", [])
+    assert joined.result().computed_with_ahead_id == "join-test-ok" and not collected.result().results
+    ghost = draft_pb2.ProposeItem(request_id="ghost", new_token_ids=[5, 6], num_draft_tokens=1, position=0)
+    joined, collected = pair("join-test-bad", [ghost])
+    for f in (joined, collected):
+        with pytest.raises(grpc.RpcError) as e:
+            f.result()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'ghost'" in e.value.details(), e.value.details()
+
+
+def test_a_push_and_its_join_meet_whichever_comes_first(monkeypatch):
+    monkeypatch.setattr(draft_ahead, "JOIN_WAIT_S", 2.0)
+    for push_first in (True, False):
+        joins, got = draft_ahead.Joins(), {}
+        meet = threading.Thread(target=lambda: got.update(met=joins.meet("a")))
+        ride = threading.Thread(target=lambda: got.update(rode=joins.ride("a", "the join's request")))
+        first, second = (meet, ride) if push_first else (ride, meet)
+        first.start()
+        time.sleep(0.1)
+        second.start()
+        first.join(5), second.join(5)
+        assert got["met"] is got["rode"] and got["met"].request == "the join's request" and got["met"].taken
+
+
+def test_a_push_or_join_alone_waits_once_then_goes_alone(monkeypatch):
+    monkeypatch.setattr(draft_ahead, "JOIN_WAIT_S", 0.1)
+    joins = draft_ahead.Joins()
+    t0 = time.monotonic()
+    assert joins.meet("p") is None and time.monotonic() - t0 >= 0.09     # its join never came
+    t0 = time.monotonic()
+    assert joins.ride("p", "late join") is None and time.monotonic() - t0 < 0.05   # closed: no second wait
+    assert joins.ride("j", "join") is None                                # its push never came
+    t0 = time.monotonic()
+    assert joins.meet("j") is None and time.monotonic() - t0 < 0.05
+    waiting = threading.Thread(target=joins.ride, args=("twice", "first"))
+    waiting.start()
+    time.sleep(0.02)
+    with pytest.raises(ServiceError) as e:
+        joins.ride("twice", "second")
+    waiting.join()
+    assert e.value.code == "INVALID_ARGUMENT" and "ride_ahead_id" in str(e.value)
 
 
 def test_a_collect_waits_for_its_push():

@@ -1,6 +1,11 @@
 """Proposes pushed a round ahead (issue 14): the target sends the next round's Propose as soon as its Verify
 has the tokens and rows (ProposeRequest.ahead_id), the gateway collects the answer (collect_ahead_id).
 
+Requests whose prompts rode that Verify join with their first Propose, which the gateway sends as the Verify
+answers. Computed after the push, it would be a second chain of draft steps on the next round's critical path; so a
+push whose Verify announced it (expect_join) and that Propose (ride_ahead_id) meet here (`Joins`), and the push
+computes both in one pass.
+
 The draft keeps each pushed Propose's outcome, its ProposeResponse or its ServiceError, under the id until the
 gateway collects it. A push is registered as it arrives, before it waits for the draft's lock, so a collect
 that comes first waits for it. A collect of an id never pushed waits only GRACE_S (the target pushes before it
@@ -11,10 +16,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from infra.errors import ServiceError
 
 GRACE_S = 2.0
+JOIN_WAIT_S = 1.0          # a push expecting its join, or a join its push, waits this long for the other
 KEEP_S = 120.0
 MAX_KEPT = 256
 PENDING = object()
@@ -66,3 +74,65 @@ class AheadStore:
     def __len__(self) -> int:
         with self._cond:
             return len(self._kept)
+
+
+@dataclass(eq=False)
+class Join:
+    """A Propose riding a push (ride_ahead_id), taken by that push's pass, which answers it (`outcome`: its
+    ProposeResponse or ServiceError, then `answered` is set)."""
+    request: object
+    taken: bool = False
+    outcome: object = None
+    answered: threading.Event = field(default_factory=threading.Event)
+
+
+class Joins:
+    """Where a push that expects a join and the join meet, whichever comes first waiting up to JOIN_WAIT_S for
+    the other. Met: the push's pass computes both. Not met in time: each computes alone, and the id is closed, so
+    a late one does not wait (the last MAX_KEPT ids are remembered)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._waiting: dict[str, Join] = {}                      # ahead id -> its join, not yet taken
+        self._closed: OrderedDict[str, None] = OrderedDict()     # ids met or given up
+
+    def meet(self, ahead_id: str) -> Join | None:
+        """The push's side: -> the join riding it, now taken (the caller computes it and answers it), or None."""
+        end = time.monotonic() + JOIN_WAIT_S
+        with self._cond:
+            while ahead_id not in self._waiting and ahead_id not in self._closed:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            join = self._waiting.pop(ahead_id, None)
+            self._close(ahead_id)
+            if join is not None:
+                join.taken = True
+                self._cond.notify_all()
+            return join
+
+    def ride(self, ahead_id: str, request) -> Join | None:
+        """The join's side: -> its Join once the push took it (wait for `answered`), or None: compute it alone."""
+        end = time.monotonic() + JOIN_WAIT_S
+        with self._cond:
+            if ahead_id in self._closed:
+                return None
+            if ahead_id in self._waiting:
+                raise ServiceError("INVALID_ARGUMENT", f"ride_ahead_id: {ahead_id!r} is named by another Propose "
+                                   "already; a push takes one join")
+            join = self._waiting[ahead_id] = Join(request)
+            self._cond.notify_all()
+            while not join.taken:
+                left = end - time.monotonic()
+                if left <= 0:
+                    del self._waiting[ahead_id]
+                    self._close(ahead_id)
+                    return None
+                self._cond.wait(left)
+            return join
+
+    def _close(self, ahead_id: str) -> None:
+        self._closed[ahead_id] = None
+        while len(self._closed) > MAX_KEPT:
+            self._closed.popitem(last=False)

@@ -14,7 +14,7 @@ from services.config import ServiceConfig
 from services.launch import run_service
 from services.ranks import RankGroup
 from services.servicer import STREAM_THREADS, ServicerBase
-from services.draft.ahead import AheadStore
+from services.draft.ahead import AheadStore, Joins
 from services.draft.engine import DraftEngine, ProposeItem
 from services.sampling import Sampling, TopQ
 from infra import grpc_server, tracing
@@ -30,6 +30,7 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
         self.cfg, self.group, self.engine, self.channel = cfg, group, group.engine, channel
         self.lock = threading.Lock()
         self.ahead = AheadStore()                 # Proposes the target pushed a round ahead (ahead.py)
+        self.joins = Joins()                      # ... and the joining requests' Proposes riding them
         self.hidden_size = group.engine.model.cfg.hidden_size
 
     def _item(self, it) -> ProposeItem:
@@ -98,10 +99,15 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
                 if isinstance(got, ServiceError):
                     raise got
                 return got
+            if request.ride_ahead_id:             # the gateway: joining requests, computed in the push's pass
+                join = self._ride(request, context)
+                if join is not None:
+                    return join
             if request.ahead_id:                  # the target: computed now, answered at once, kept for the collect
                 self.ahead.pushed(request.ahead_id)
+                join = self.joins.meet(request.ahead_id) if request.expect_join else None
                 try:
-                    self.ahead.done(request.ahead_id, self._propose(request, context))
+                    self.ahead.done(request.ahead_id, self._pass(request, join, context))
                 except ServiceError as e:
                     self.ahead.done(request.ahead_id, e)
                 except Exception as e:            # a bug: the collect answers INTERNAL, not a wait
@@ -112,6 +118,48 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
             return self._propose(request, context)
         except ServiceError as e:
             grpc_server.abort(context, e.code, str(e))
+
+    def _ride(self, request, context) -> draft_pb2.ProposeResponse | None:
+        """A join (ride_ahead_id): its push's pass's answer, or None when they did not meet (computed alone)."""
+        if request.ahead_id or request.collect_ahead_id:
+            raise ServiceError("INVALID_ARGUMENT", "ride_ahead_id: a Propose riding a push is the gateway's own, "
+                               f"got ahead_id {request.ahead_id!r} and collect_ahead_id {request.collect_ahead_id!r}")
+        join = self.joins.ride(request.ride_ahead_id, request)
+        if join is None:
+            return None
+        if not join.answered.wait(grpc_server.time_left(context) or AHEAD_WAIT_S):
+            raise ServiceError("DEADLINE_EXCEEDED", f"the Propose pushed ahead as {request.ride_ahead_id!r}, which "
+                               "this one rides, did not finish in time")
+        if isinstance(join.outcome, ServiceError):
+            raise join.outcome
+        return join.outcome
+
+    def _pass(self, push, join, context) -> draft_pb2.ProposeResponse:
+        """A push's Propose and the join riding it (None: alone) in one pass; the join is answered here, with the
+        pass's status if it fails. The join's rows sets follow the push's in the call."""
+        if join is None:
+            return self._propose(push, context)
+        n, sets = len(push.items), len(push.hidden_rows)
+        both = draft_pb2.ProposeRequest(items=push.items,
+                                        hidden_rows=list(push.hidden_rows) + list(join.request.hidden_rows))
+        for it in join.request.items:
+            both.items.add().CopyFrom(it)
+            if it.rows_set:
+                both.items[-1].rows_set = it.rows_set + sets
+        try:
+            resp = self._propose(both, context)
+            join.outcome = draft_pb2.ProposeResponse(results=resp.results[n:], timing=resp.timing,
+                                                     computed_with_ahead_id=push.ahead_id)
+        except ServiceError as e:
+            join.outcome = e
+            raise
+        except Exception as e:
+            join.outcome = ServiceError("INTERNAL", internal_details("tandem.v1.DraftService/Propose (riding)", e))
+            raise
+        finally:
+            join.answered.set()
+        return draft_pb2.ProposeResponse(results=resp.results[:n], transfer_seconds=resp.transfer_seconds,
+                                         timing=resp.timing)
 
     def _propose(self, request, context) -> draft_pb2.ProposeResponse:
         with self.lock:

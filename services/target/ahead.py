@@ -60,9 +60,10 @@ class AheadSender:
 
     def send(self, ahead: target_pb2.ProposeAhead, emitted: dict[str, list[int]], rows) -> bool:
         """Propose `ahead`'s items with their emitted tokens and the Verify's row set `rows` -> written."""
-        request = draft_pb2.ProposeRequest(ahead_id=ahead.ahead_id, hidden_rows=[rows], items=[draft_pb2.ProposeItem(
-            request_id=it.request_id, new_token_ids=emitted[it.request_id], num_draft_tokens=it.num_draft_tokens,
-            position=it.position, rows_set=1) for it in ahead.items])
+        request = draft_pb2.ProposeRequest(
+            ahead_id=ahead.ahead_id, expect_join=ahead.expect_join, hidden_rows=[rows], items=[draft_pb2.ProposeItem(
+                request_id=it.request_id, new_token_ids=emitted[it.request_id], num_draft_tokens=it.num_draft_tokens,
+                position=it.position, rows_set=1) for it in ahead.items])
         lane = ahead.draft_lane
         sock = self.socks.pop(lane, None)
         if sock is None and (lane in self.unreachable or (sock := self._connect(lane)) is None):
