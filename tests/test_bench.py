@@ -99,6 +99,21 @@ def test_inprocess_greedy_speculation_equals_target_only():
     assert spec.outputs == plain.outputs
 
 
+def test_the_inprocess_grid_frees_its_engines_before_a_served_run_starts():
+    """On a GPU the served grid's next cluster starts right after `run_grid`: its engines (reference cycles) must be
+    gone by then, not at some later collection (on an H100 the next target ran out of memory)."""
+    import gc
+    import types
+    from services.target.engine import TargetEngine
+    from tandem.bench_inprocess import run_grid
+    a = types.SimpleNamespace(ks="0,2", batches="1", requests_per_batch=1, max_tokens=4, prompt_tokens=8,
+                              device="cpu", dtype="", synthetic_acceptance="0.85")
+    gc.collect()
+    assert len(run_grid(TINY, a)) == 2
+    alive = sum(isinstance(o, TargetEngine) for o in gc.get_objects())   # (no collection in between)
+    assert alive == 0, f"{alive} target engines still alive after run_grid returned"
+
+
 def test_bench_speed_served_split_and_inprocess(tmp_path):
     """The whole CLI: starts `tandem serve --random-config tiny --synthetic-acceptance`, measures, stops."""
     cmd = [sys.executable, "-m", "tandem", "bench", "speed", "--random-config", "tiny", "--ks", "0,2",
