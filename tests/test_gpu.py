@@ -31,6 +31,28 @@ def test_cuda_greedy_speculation_equals_plain_decoding(cuda_cluster):
     assert accepted > 0                      # the rounds really accepted drafts on the GPU
 
 
+def test_cuda_requests_joining_a_running_batch_equal_plain_decoding(cuda_cluster):
+    """Requests sent 30 ms apart join the running batch: their prompts ride a Verify and their first Propose rides
+    the target's push (one pass of the draft with the running requests' drafts, gateway/proposals.py join)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    gateway, _, _ = cuda_cluster
+    prompts = [[(17 * i + 5 * j) % 500 + 3 for j in range(5 + 7 * i)] for i in range(6)]
+
+    def generate(prompt, k=None):
+        r = gateway.Generate(generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=40,
+                             ignore_eos=True, num_speculative_tokens=k), timeout=120)
+        return list(r.token_ids), r.spec_stats.num_accepted_tokens
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = []
+        for p in prompts:
+            futures.append(pool.submit(generate, p))
+            time.sleep(0.03)
+        joined = [f.result() for f in futures]
+    assert [t for t, _ in joined] == [generate(p, 0)[0] for p in prompts]
+    assert sum(a for _, a in joined) > 0
+
+
 def test_bridge_carries_rows_and_contract_fires_on_cuda(cuda_cluster):
     _, target, draft = cuda_cluster
     assert_bridge_contract(target, draft, "gpu-contract", [5, 9, 17, 33, 65, 129])
