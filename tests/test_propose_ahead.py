@@ -141,6 +141,9 @@ def test_a_join_and_its_push_fail_together_with_the_pass(cluster):
         with pytest.raises(grpc.RpcError) as e:
             f.result()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'ghost'" in e.value.details(), e.value.details()
+    with pytest.raises(grpc.RpcError) as e:         # a push or a collect cannot ride a push
+        cluster.draft.Propose(draft_pb2.ProposeRequest(ride_ahead_id="x", collect_ahead_id="y"), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ride_ahead_id" in e.value.details()
 
 
 def test_a_push_and_its_join_meet_whichever_comes_first(monkeypatch):

@@ -94,6 +94,10 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
 
     def Propose(self, request, context):
         try:
+            if request.ride_ahead_id and (request.ahead_id or request.collect_ahead_id):
+                raise ServiceError("INVALID_ARGUMENT", "ride_ahead_id: a Propose riding a push is the gateway's own, "
+                                   f"got ahead_id {request.ahead_id!r} and collect_ahead_id "
+                                   f"{request.collect_ahead_id!r} with it")
             if request.collect_ahead_id:          # the gateway: what the target's push came to (ahead.py)
                 got = self.ahead.collect(request.collect_ahead_id, grpc_server.time_left(context) or AHEAD_WAIT_S)
                 if isinstance(got, ServiceError):
@@ -121,9 +125,6 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
 
     def _ride(self, request, context) -> draft_pb2.ProposeResponse | None:
         """A join (ride_ahead_id): its push's pass's answer, or None when they did not meet (computed alone)."""
-        if request.ahead_id or request.collect_ahead_id:
-            raise ServiceError("INVALID_ARGUMENT", "ride_ahead_id: a Propose riding a push is the gateway's own, "
-                               f"got ahead_id {request.ahead_id!r} and collect_ahead_id {request.collect_ahead_id!r}")
         join = self.joins.ride(request.ride_ahead_id, request)
         if join is None:
             return None
