@@ -95,15 +95,15 @@ def test_an_ahead_that_cannot_be_sent_is_invalid_argument(cluster, ahead, field)
     assert field in e.value.details(), e.value.details()
 
 
-def staggered(gw, max_tokens: int = 48) -> list[tuple[list[int], int, int]]:
-    """The prompts greedy: the first alone, then two at a time 50 ms apart, so they arrive while others run and
-    join them, several in one round."""
+def staggered(gw, max_tokens: int = 96) -> list[tuple[list[int], int, int]]:
+    """The prompts greedy: the first alone, then two at a time 20 ms apart, so they arrive while others run (each
+    lasts ~30 rounds) and join them, several in one round."""
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = []
         for i, p in enumerate(PROMPTS):
             futures.append(pool.submit(generate, gw, i, p, False, max_tokens))
             if i % 2 == 0:
-                time.sleep(0.05)
+                time.sleep(0.02)
         return [f.result() for f in futures]
 
 
@@ -116,7 +116,7 @@ def test_requests_that_join_ride_the_push_and_change_no_output(cluster):
     got = staggered(ahead)
     assert ahead_rounds(ahead, "spec_decode_joins_with_ahead") > before, "no join rode a push"
     assert [t for t, _, _ in got] == [t for t, _, _ in staggered(plain)]
-    assert all(len(t) == 48 for t, _, _ in got) and sum(a for _, _, a in got) > 0
+    assert all(len(t) == 96 for t, _, _ in got) and sum(a for _, _, a in got) > 0
     assert staggered(sent) == got           # the same drafts too: the same acceptance, request by request
     nojoin = next(g for g in cluster.gateways if g.name == "nojoin")
     assert staggered(nojoin) == got and ahead_rounds(nojoin) > 0      # pushed, their joins apart
