@@ -32,7 +32,7 @@ def test_cuda_greedy_speculation_equals_plain_decoding(cuda_cluster):
 
 
 def test_cuda_requests_joining_a_running_batch_equal_plain_decoding(cuda_cluster):
-    """Requests sent 30 ms apart join the running batch: their prompts ride a Verify and their first Propose rides
+    """Requests sent 5 ms apart join the running batch: their prompts ride a Verify and their first Propose rides
     the target's push (one pass of the draft with the running requests' drafts, gateway/proposals.py join)."""
     import time
     from concurrent.futures import ThreadPoolExecutor
@@ -40,14 +40,14 @@ def test_cuda_requests_joining_a_running_batch_equal_plain_decoding(cuda_cluster
     prompts = [[(17 * i + 5 * j) % 500 + 3 for j in range(5 + 7 * i)] for i in range(6)]
 
     def generate(prompt, k=None):
-        r = gateway.Generate(generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=40,
+        r = gateway.Generate(generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=64,
                              ignore_eos=True, num_speculative_tokens=k), timeout=120)
         return list(r.token_ids), r.spec_stats.num_accepted_tokens
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = []
         for p in prompts:
             futures.append(pool.submit(generate, p))
-            time.sleep(0.03)
+            time.sleep(0.005)
         joined = [f.result() for f in futures]
     assert [t for t, _ in joined] == [generate(p, 0)[0] for p in prompts]
     assert sum(a for _, a in joined) > 0
