@@ -33,12 +33,22 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def push(sel
            "x = 1\n" * 40]
 
 
+GATEWAYS = [{"name": "ahead"}, {"name": "sent", "args": ["--no-propose-ahead"]}, {"name": "plain", "k": 0},
+            {"name": "nojoin", "args": ["--no-join-ahead"]}]
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, request):
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=7)
-    gateways = [{"name": "ahead"}, {"name": "sent", "args": ["--no-propose-ahead"]}, {"name": "plain", "k": 0},
-                {"name": "nojoin", "args": ["--no-join-ahead"]}]
-    with Cluster(ckpt, k=K, gateways=gateways, hidden_transport="auto", log_dir=tmp_path_factory.mktemp("logs")) as c:
+    with Cluster(ckpt, k=K, gateways=GATEWAYS, hidden_transport="auto", log_dir=tmp_path_factory.mktemp("logs")) as c:
+        yield from serve_module(c, request)
+
+
+@pytest.fixture(scope="module")
+def gloo_cluster(tmp_path_factory, request):
+    """The same over gloo: rows pushed as frames through a process group (services/bridge/push.py), not a ring."""
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=7)
+    with Cluster(ckpt, k=K, gateways=GATEWAYS, hidden_transport="gloo", log_dir=tmp_path_factory.mktemp("logs")) as c:
         yield from serve_module(c, request)
 
 
@@ -108,9 +118,11 @@ def staggered(gw, max_tokens: int = 96) -> list[tuple[list[int], int, int]]:
 
 
 @pytest.mark.slow
-def test_requests_that_join_ride_the_push_and_change_no_output(cluster):
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_requests_that_join_ride_the_push_and_change_no_output(request, transport):
     """Requests whose prompts ride a Verify that pushes the next round's Propose join with their first Propose
     computed in the push's pass (one chain of draft steps, not two in a row); their tokens stay plain decoding's."""
+    cluster = request.getfixturevalue("cluster" if transport == "auto" else "gloo_cluster")
     ahead, sent, plain = (next(g for g in cluster.gateways if g.name == n) for n in ("ahead", "sent", "plain"))
     before = ahead_rounds(ahead, "spec_decode_joins_with_ahead")
     got = staggered(ahead)
