@@ -230,6 +230,11 @@ class Scheduler(Ending):
             return
         split.update(verify=time.perf_counter() - t0, target_compute=vresp.timing.compute_seconds)
         proposals.hops(self.target.Verify, vresp.timing, split)
+        # its new requests join the next round, their drafts asked now: first, riding the push that waits for them
+        # (and before that push's collect takes the draft's lane), else after the commit
+        ride = plan.message.ahead_id if riding and vresp.ahead_sent and plan.message.expect_join else ""
+        if ride:
+            await self._join(riding, vresp, ride)
         ks = [len(drafts[r.id].draft_token_ids) if r.id in drafts else 0 for r in batch]
         self.policy.record(ks)
         for r, res, k in zip(batch, vresp.results, ks):
@@ -241,11 +246,6 @@ class Scheduler(Ending):
         if not overlap:
             self._commit_all(batch, vresp.results)
         self._close_round(batch, split, round_t0)
-        # its new requests join the next round, their drafts asked now: riding the push that expects them (before
-        # the push's collect takes the draft's lane), else after the commit
-        ride = plan.message.ahead_id if riding and vresp.ahead_sent and plan.message.expect_join else ""
-        if ride:
-            await self._join(riding, vresp, ride)
         if overlap or vresp.ahead_sent:     # the next round's drafts are computed while this round commits
             self.ahead = await proposals.after_verify(self, plan, vresp, batch)
             self.planned = self.ahead is None      # nobody to send: the next round needs no plan of its own
