@@ -19,6 +19,8 @@ from tandem.v1 import generate_pb2
 METRIC = "tandem:round_phase_seconds"
 CHOSEN_K = "tandem:spec_decode_chosen_k"
 REPROBES = "tandem:spec_decode_reprobes_total"
+COUNTERS = {REPROBES: "reprobes", "tandem:num_prefills_in_verify_total": "prefills_in_verify",
+            "tandem:spec_decode_joins_with_ahead_total": "joins_with_ahead"}
 PHASES = ("round", "propose", "transfer", "draft_compute", "verify", "target_compute", "gateway")
 
 
@@ -33,8 +35,8 @@ def scrape(http_addr: str) -> dict[str, list[float]]:
                 out.setdefault(s.labels["phase"], [0.0, 0.0])[s.name.endswith("_count")] += s.value
             elif s.name in (CHOSEN_K + "_sum", CHOSEN_K + "_count"):     # k a request got a round, summed
                 out.setdefault("chosen_k", [0.0, 0.0])[s.name.endswith("_count")] += s.value
-            elif s.name == REPROBES:                                     # parked requests woken for a probe
-                out["reprobes"] = [s.value, 0.0]
+            elif s.name in COUNTERS:          # parked requests woken for a probe; Prefills that rode a Verify;
+                out[COUNTERS[s.name]] = [s.value, 0.0]      # joiners' Proposes computed with the push
     return out
 
 
@@ -92,5 +94,5 @@ def run_served(stubs: list, http_addrs: list[str | None], prompts: list[list[int
             # the rounds' batch slots that held a decoding request (request-rounds / (rounds x the part of the batch
             # a gateway runs)): below 1 while clients turn over and the run fills and drains (bench_speed_report.py)
             "slots_filled": chosen[1] / (rounds * batch / n) if rounds else None,
-            "reprobes": int(delta(before, after, "reprobes")),
+            **{name: int(delta(before, after, name)) for name in COUNTERS.values()},
             "p50_request_s": sorted(t for _, t in results)[len(results) // 2], "ms_per_round": split}

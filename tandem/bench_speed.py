@@ -145,7 +145,8 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
                         runs.setdefault((mode, b, k), []).append(r)
                         print(f"served {r['acceptance']} batch {b:3d} {mode} K={k}: {r['tokens_per_s']:9.1f} tok/s  MAL "
                               f"{r['mean_acceptance_length']:.2f}  mean k {r['mean_k']:.2f}  ms/round "
-                              f"{r['ms_per_round'].get('round', 0):.2f}", flush=True)
+                              f"{r['ms_per_round'].get('round', 0):.2f}  prefills in a Verify "
+                              f"{r['prefills_in_verify']} (joins with the push {r['joins_with_ahead']})", flush=True)
                 if engines is not None:
                     for k in ks:
                         inproc.setdefault((b, k), []).append(measure(*engines, prompts, k, b, a.max_tokens))
