@@ -135,6 +135,7 @@ def test_bench_speed_served_split_and_inprocess(tmp_path):
         assert 0 < r["of_ideal"] <= 1.05, r                 # nothing beats its byte floor (measured bandwidth)
         assert r["tokens"] == 8 * r["batch"] and r["rounds"] > 0
         assert 0 < r["slots_filled"] <= 1, r                # request-rounds over rounds x batch
+        assert 0 <= r["joins_with_ahead"] <= r["prefills_in_verify"] and (r["k"] > 0 or not r["joins_with_ahead"]), r
         s = r["ms_per_round"]
         assert s["round"] > 0 and s["verify"] > s["target_compute"] > 0
         # overlapped rounds: "propose" is the wait the commit did not hide, so it may be below draft compute. At
