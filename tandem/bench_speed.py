@@ -83,7 +83,8 @@ def parse(argv):
                    "draft; /serial after a mode runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial), "
                    "/no-ahead with --no-propose-ahead, /no-busy-poll with --no-busy-poll, /no-mixed with "
                    "--no-mixed-prefill, /no-join with --no-join-ahead; /halves runs the mode on two gateways, each "
-                   "with half the clients, so the services alternate between two micro-batches (e.g. fixed/no-busy-poll,fixed/halves/no-busy-poll)")
+                   "with half the clients, so the services alternate between two micro-batches "
+                   "(e.g. fixed/no-busy-poll,fixed/halves/no-busy-poll)")
     p.add_argument("--workload", default="greedy", choices=["greedy", "mixed"], help="mixed: every other request "
                    "at temperature 1 (the synthetic acceptance applies to greedy ones only)")
     p.add_argument("--batches", default="1,8,32")
