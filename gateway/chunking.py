@@ -46,10 +46,7 @@ def plan(s: Scheduler) -> list[tuple[GenRequest, int]]:
     s.waiting to s.prefilling (until their last chunk)."""
     room = preemption.admission(s, s.max_batch - len(s.running) - len(s.prefilling))
     if s.max_num_batched_tokens <= 0:
-        new = s.waiting[:max(0, room)]
-        s.waiting = s.waiting[len(new):]
-        s.prefilling += new
-        return [(r, 0) for r in new]
+        return _admit(s, [], room, None)
     left, out = s.max_num_batched_tokens, []
     for r in s.prefilling:                       # prompts partly prefilled first, oldest first
         if left <= 0:
@@ -57,16 +54,32 @@ def plan(s: Scheduler) -> list[tuple[GenRequest, int]]:
         n = min(left, len(r.context_ids) - r.prefilled)
         out.append((r, n))
         left -= n
-    while left > 0 and room > 0 and s.waiting:
+    return _admit(s, out, room, left)
+
+
+def admit_late(s: Scheduler, items: list[tuple[GenRequest, int]]) -> list[tuple[GenRequest, int]]:
+    """--late-admission: requests that arrived after the step's plan (`items`, riding the round's Verify), while
+    the round waited for its drafts, admitted into that Prefill as plan() would have, in the room and budget left
+    -> the items added (moved from s.waiting to s.prefilling)."""
+    room = preemption.admission(s, s.max_batch - len(s.running) - len(s.prefilling))
+    left = None if s.max_num_batched_tokens <= 0 else \
+        s.max_num_batched_tokens - sum(n or len(r.context_ids) - r.prefilled for r, n in items)
+    return _admit(s, list(items), room, left)[len(items):]
+
+
+def _admit(s: Scheduler, out: list, room: int, left: int | None) -> list[tuple[GenRequest, int]]:
+    """Waiting requests into the step's Prefill `out` while `room` and `left` (positions; None: no budget, whole
+    prompts) last -> out."""
+    while room > 0 and s.waiting and (left is None or left > 0):
         r = s.waiting[0]
-        if r.prompt_logprobs and out and len(r.context_ids) > left:
+        if left is not None and r.prompt_logprobs and out and len(r.context_ids) > left:
             break                                # scored whole: it waits for a step of its own
         s.waiting.pop(0)
         s.prefilling.append(r)
         room -= 1
-        n = len(r.context_ids) if r.prompt_logprobs else min(left, len(r.context_ids))
-        out.append((r, 0 if r.prompt_logprobs else n))
-        left -= n
+        n = 0 if left is None or r.prompt_logprobs else min(left, len(r.context_ids))
+        out.append((r, n))
+        left = None if left is None else left - (n or len(r.context_ids))
     return out
 
 

@@ -57,6 +57,7 @@ class GatewayConfig:
     propose_ahead: bool = True               # ... from the target, named in the Verify (gateway/proposals.py)
     join_ahead: bool = True                  # joining requests' first Propose computed in that push's pass
     mixed_prefill: bool = True               # a step's Prefill rides its round's Verify: one forward (gateway/chunking.py)
+    late_admission: bool = False             # requests arriving while a round waits for its drafts ride its Verify
     busy_poll: bool = True                   # the loop polls, never sleeps, while a Verify / Propose is out
 
     @property
@@ -124,6 +125,9 @@ def parse(argv) -> GatewayConfig:
     p.add_argument("--no-mixed-prefill", dest="mixed_prefill", action="store_false", help="prefill new prompts in "
                    "a call of their own before the round (default: while requests run, the step's Prefill rides the "
                    "round's Verify and the target computes both in one forward: gateway/chunking.py)")
+    p.add_argument("--late-admission", action="store_true", help="admit requests that arrive while a round waits "
+                   "for its drafts into that round's Verify (their prompts ride its forward, a round sooner; default: "
+                   "the next step's Prefill; measured in BENCHMARKS.md: more mixed forwards, each with fewer prompts)")
     p.add_argument("--no-busy-poll", dest="busy_poll", action="store_false", help="sleep while a round's "
                    "Verify or Propose is out (default: the event loop keeps polling until the answer is in, one "
                    "CPU busy while calls run: an idle CPU of a VM wakes 0.2-0.4 ms late, gateway/lanes.py)")

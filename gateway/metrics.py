@@ -171,7 +171,9 @@ class _Collector:
                 ("spec_decode_joins_with_ahead", "First Proposes of joining requests the draft computed in one pass "
                  "with the round's Propose sent ahead (gateway/proposals.py join)", s.joins_ahead),
                 ("num_prefills_in_verify", "Prefills (new prompts, chunks) that rode a round's Verify, one forward "
-                 "(gateway/chunking.py)", s.mixed_prefills)):
+                 "(gateway/chunking.py)", s.mixed_prefills),
+                ("num_late_admissions", "Requests admitted into a round's Verify while the round waited for its "
+                 "drafts (--late-admission, gateway/chunking.py admit_late)", s.late_admissions)):
             c = CounterMetricFamily(f"tandem:{name}", doc, labels=["model_name"])
             c.add_metric(lab, v)
             yield c

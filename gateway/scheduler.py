@@ -48,7 +48,7 @@ class Scheduler(Ending):
                  rpc_timeout_s: float = 60.0, transport: int = rows_pb2.TRANSPORT_UNSPECIFIED,
                  observer: Observer | None = None, draft_timeout_s: float = 10.0, max_waiting: int = 0, policy=None,
                  max_num_batched_tokens: int = 0, overlap: bool = True, propose_ahead: bool = True,
-                 mixed_prefill: bool = True, join_ahead: bool = True):
+                 mixed_prefill: bool = True, join_ahead: bool = True, late_admission: bool = False):
         self.target, self.draft, self.eos = target, draft, eos_ids
         self.obs, self.policy = observer or Observer(), policy or FixedPolicy()   # policy: gateway/adaptive.py
         self.max_batch, self.timeout, self.transport, self.draft_timeout = max_batch, rpc_timeout_s, transport, draft_timeout_s
@@ -63,10 +63,12 @@ class Scheduler(Ending):
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]    # several gateways may share one target
         self._in_flight: set[str] = set()      # ids in the Prefill or round now awaiting the services
+        self._held: list[GenRequest] = []      # those requests (a round may admit more: late_admission)
         self.inflight = InFlight()             # the Prefill, re-sync or round awaited now (target_lost cuts it)
         self.overlap = overlap                 # send the next round's Propose before committing (proposals.py)
         self.propose_ahead = propose_ahead     # ... from the target, named in the Verify (proposals.plan_ahead)
         self.join_ahead = join_ahead           # joiners' first Propose rides that push (proposals.join)
+        self.late_admission = late_admission   # requests arriving while a round waits for its drafts ride its Verify
         self.mixed_prefill = mixed_prefill     # a step's Prefill rides its round's Verify (gateway/chunking.py)
         self.riding: list[tuple[GenRequest, int]] = []     # that Prefill's items, until the Verify carries them
         self.joined: proposals.Proposal | dict | None = None   # its requests' first Propose (or its drafts): next round
@@ -77,6 +79,7 @@ class Scheduler(Ending):
         self.preemptions = self.freed = self.ahead_rounds = 0   # requests preempted, ended; Proposes sent ahead
         self.joins_ahead = 0                                    # joins computed in one pass with a push
         self.mixed_prefills = 0                                 # Prefills that rode a Verify
+        self.late_admissions = 0                                # requests admitted into one while it waited
         self.admit_cap = self.admit_after = None           # admission's cap and hold (gateway/preemption.py)
 
     def new_id(self) -> str:
@@ -166,15 +169,16 @@ class Scheduler(Ending):
             self._off_round += time.perf_counter() - t0
 
     async def _holding(self, reqs: list[GenRequest], call) -> None:
-        """Await one Prefill, re-sync or round over `reqs` (cut short: they fail), then finish the cancelled."""
-        self._in_flight = {r.id for r in reqs}
+        """Await one Prefill, re-sync or round over `reqs` and those it admits late (cut short: they fail), then
+        finish the cancelled."""
+        self._held, self._in_flight = list(reqs), {r.id for r in reqs}
         try:
             cut = await self.inflight.run(call)        # why target_lost cut it short, or None
-            for r in reqs if cut else []:
+            for r in self._held if cut else []:
                 self.fail(r, grpc.StatusCode.UNAVAILABLE, cut)
         finally:
-            self._in_flight = set()
-            for r in reqs:
+            held, self._held, self._in_flight = self._held, [], set()
+            for r in held:
                 if r.cancelled and not r.finished:
                     self._finish(r, None)
 
@@ -212,6 +216,8 @@ class Scheduler(Ending):
             if more is None:
                 return
             drafts.update(more)
+        if self.late_admission and self.mixed_prefill and self.waiting:    # arrived while the drafts were computed
+            self._admit_late()
         vreq = target_pb2.VerifyRequest(items=[proposals.verify_item(r, drafts.get(r.id)) for r in batch],
                                         return_hidden_rows=any(r.draft.speculate for r in batch), transport=self.transport)
         plan = proposals.plan_ahead(self, batch, drafts, vreq) if self._overlaps(batch) else None
@@ -253,6 +259,14 @@ class Scheduler(Ending):
             self._commit_all(batch, vresp.results)
         if riding and not ride:
             await self._join(riding, vresp)
+
+    def _admit_late(self) -> None:
+        """Waiting requests into the Prefill riding this round's Verify, held by the round like its own."""
+        late = chunking.admit_late(self, self.riding)
+        self.riding += late
+        self.late_admissions += len(late)
+        self._held += [r for r, _ in late]
+        self._in_flight |= {r.id for r, _ in late}
 
     async def _join(self, riding: list[tuple[GenRequest, int]], vresp, ride: str = "") -> None:
         chunking.rode(self, riding, vresp)

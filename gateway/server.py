@@ -128,7 +128,7 @@ async def serve(cfg: GatewayConfig) -> None:
                           draft_timeout_s=cfg.draft_timeout_s, max_waiting=cfg.max_waiting,
                           max_num_batched_tokens=cfg.max_num_batched_tokens, overlap=cfg.overlap_rounds,
                           propose_ahead=cfg.propose_ahead, join_ahead=cfg.join_ahead,
-                          mixed_prefill=cfg.mixed_prefill,
+                          mixed_prefill=cfg.mixed_prefill, late_admission=cfg.late_admission,
                           policy=AdaptivePolicy(cfg.num_speculative_tokens, cfg.adaptive_reprobe_rounds)
                           if cfg.speculation == "adaptive" else FixedPolicy(cfg.num_speculative_tokens))
     metrics.attach(scheduler, svc.stubs)

@@ -18,12 +18,14 @@ masking), 53 bits of it as a uniform in (0, 1); everything stays on the device, 
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _GOLDEN = -7046029254386353131          # 0x9E3779B97F4A7C15 as int64
 _M1 = -4658895280553007687              # 0xBF58476D1CE4E5B9
 _M2 = -7723592293110705685              # 0x94D049BB133111EB
 _STRIDE = 0x632BE59BD9B4E019            # separates the (seed, draw) keys
+_U = [np.uint64(x % (1 << 64)) for x in (_GOLDEN, _STRIDE, _M1, _M2)]     # the same as uint64 (host_uniform)
 
 
 def _mix(z: torch.Tensor) -> torch.Tensor:
@@ -49,6 +51,25 @@ def uniform(keys: torch.Tensor, n: int) -> torch.Tensor:
     z >>= 11
     z &= (1 << 53) - 1
     return z.double().add_(0.5).mul_(1.0 / (1 << 53))
+
+
+def host_uniform(seeds: list[int], draws: list[int], n: int) -> np.ndarray:
+    """uniform(draw_keys(seeds, draws), n) computed on the host with numpy (the same bits; wrapping uint64
+    arithmetic): [M, n] float64, ~4x faster than torch's op-by-op dispatch for a batch's few values."""
+    with np.errstate(over="ignore"):
+        s = np.array(seeds, dtype=np.int64).view(np.uint64)
+        d = np.array(draws, dtype=np.int64).view(np.uint64)
+        z = _np_mix(_np_mix(s * _U[0] + d * _U[1])[:, None] + np.arange(n, dtype=np.uint64)[None, :] * _U[0])
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+def _np_mix(z: np.ndarray) -> np.ndarray:
+    """_mix on uint64 arrays (shifts are logical there)."""
+    for shift, mul in ((30, _U[2]), (27, _U[3]), (31, None)):
+        z ^= z >> np.uint64(shift)
+        if mul is not None:
+            z *= mul
+    return z
 
 
 def exp_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -157,15 +157,17 @@ def grid_engines(model: str, a, profile: str | None = None) -> tuple[TargetEngin
 
 def run_grid(model: str, a, profile: str | None = None) -> list[dict]:
     """Every (batch, K) of a's grid in this process (ks, batches, requests_per_batch, max_tokens, ...), with
-    synthetic acceptance `profile` (default a.synthetic_acceptance)."""
+    synthetic acceptance `profile` (default a.synthetic_acceptance): a.repeats (default 1) rows a (batch, K), the
+    grid's Ks interleaved and their order reversed every other repeat, as the served rows are measured."""
     from tandem.bench import bench_prompts
     te, de = grid_engines(model, a, profile)
     ks = [int(x) for x in str(a.ks).split(",")]
     rows = []
     for b in (int(x) for x in str(a.batches).split(",")):
         prompts = bench_prompts(model, b * a.requests_per_batch, a.prompt_tokens, seed=b)
-        for k in ks:
-            rows.append(measure(te, de, prompts, k, b, a.max_tokens))
+        for rep in range(max(1, getattr(a, "repeats", 1))):
+            for k in (ks if rep % 2 == 0 else ks[::-1]):
+                rows.append(measure(te, de, prompts, k, b, a.max_tokens))
     del te, de
     gc.collect()                    # the engines hold reference cycles: free their memory before a served run starts
     if torch.cuda.is_available():

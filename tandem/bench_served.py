@@ -20,7 +20,8 @@ METRIC = "tandem:round_phase_seconds"
 CHOSEN_K = "tandem:spec_decode_chosen_k"
 REPROBES = "tandem:spec_decode_reprobes_total"
 COUNTERS = {REPROBES: "reprobes", "tandem:num_prefills_in_verify_total": "prefills_in_verify",
-            "tandem:spec_decode_joins_with_ahead_total": "joins_with_ahead"}
+            "tandem:spec_decode_joins_with_ahead_total": "joins_with_ahead",
+            "tandem:num_late_admissions_total": "late_admissions"}
 PHASES = ("round", "propose", "transfer", "draft_compute", "verify", "target_compute", "gateway")
 
 

@@ -46,12 +46,13 @@ from tandem.bench_speed_report import expected_lengths, plot, table
 from tandem.v1 import generate_pb2_grpc
 
 VARIANTS = {"serial": ["--no-overlap-rounds"], "no-ahead": ["--no-propose-ahead"], "no-busy-poll": ["--no-busy-poll"],
-            "no-mixed": ["--no-mixed-prefill"], "no-join": ["--no-join-ahead"], "halves": []}
+            "no-mixed": ["--no-mixed-prefill"], "no-join": ["--no-join-ahead"], "late": ["--late-admission"],
+            "halves": []}
 
 
 def mode_args(mode: str) -> list[str]:
     """The gateway flags of a --speculation mode: fixed | adaptive, then any of /serial, /no-ahead, /no-busy-poll,
-    /no-mixed, /no-join and /halves (no flag: two gateways, tandem/bench_served.py)."""
+    /no-mixed, /no-join, /late and /halves (no flag: two gateways, tandem/bench_served.py)."""
     base, *variants = mode.split("/")
     if base not in ("fixed", "adaptive") or any(v not in VARIANTS for v in variants):
         raise SystemExit(f"--speculation: fixed or adaptive, each optionally followed by any of /{', /'.join(VARIANTS)}; "
@@ -82,8 +83,9 @@ def parse(argv):
                    "--ks chosen per request and round), or fixed,adaptive: both, a gateway each on one target and "
                    "draft; /serial after a mode runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial), "
                    "/no-ahead with --no-propose-ahead, /no-busy-poll with --no-busy-poll, /no-mixed with "
-                   "--no-mixed-prefill, /no-join with --no-join-ahead; /halves runs the mode on two gateways, each "
-                   "with half the clients, so the services alternate between two micro-batches "
+                   "--no-mixed-prefill, /no-join with --no-join-ahead, /late with --late-admission; /halves runs "
+                   "the mode on two gateways, each with half the clients, so the services alternate between two "
+                   "micro-batches "
                    "(e.g. fixed/no-busy-poll,fixed/halves/no-busy-poll)")
     p.add_argument("--workload", default="greedy", choices=["greedy", "mixed"], help="mixed: every other request "
                    "at temperature 1 (the synthetic acceptance applies to greedy ones only)")
@@ -92,8 +94,8 @@ def parse(argv):
     p.add_argument("--clients", default="closed", choices=["closed", "queued"], help="closed: batch clients, each "
                    "sending its next request when one answers; queued: every request at once, the gateway (one a "
                    "batch size, --max-batch) running batch of them a round")
-    p.add_argument("--repeats", type=int, default=1, help="measure each row this many times (interleaved); the "
-                   "table gives the mean and the spread (max - min) / mean")
+    p.add_argument("--repeats", type=int, default=1, help="measure each row this many times (interleaved; the "
+                   "--in-process rows too); the table gives the mean and the spread (max - min) / mean")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--in-process", action="store_true", help="also run the grid in one process, no gRPC")
@@ -147,7 +149,8 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
                         print(f"served {r['acceptance']} batch {b:3d} {mode} K={k}: {r['tokens_per_s']:9.1f} tok/s  MAL "
                               f"{r['mean_acceptance_length']:.2f}  mean k {r['mean_k']:.2f}  ms/round "
                               f"{r['ms_per_round'].get('round', 0):.2f}  prefills in a Verify "
-                              f"{r['prefills_in_verify']} (joins with the push {r['joins_with_ahead']})", flush=True)
+                              f"{r['prefills_in_verify']} (joins with the push {r['joins_with_ahead']}, admitted late "
+                              f"{r['late_admissions']})", flush=True)
                 if engines is not None:
                     for k in ks:
                         inproc.setdefault((b, k), []).append(measure(*engines, prompts, k, b, a.max_tokens))
@@ -167,7 +170,8 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
     if a.in_process:
         from tandem.bench_inprocess import run_grid
         if engines is None:                         # GPU: after the served grid (the clusters hold the memory)
-            inproc = {(r["batch"], r["k"]): [r] for r in run_grid(model, a, profile)}
+            for r in run_grid(model, a, profile):
+                inproc.setdefault((r["batch"], r["k"]), []).append(r)
         inproc = {key: {**rs[-1], "tokens_per_s": statistics.mean(x["tokens_per_s"] for x in rs),
                         "ms_per_round": mean_split(rs)} for key, rs in inproc.items()}
         for r in (r for r in rows if r["speculation"].startswith("fixed")):

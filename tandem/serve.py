@@ -55,6 +55,8 @@ def add_gateway_flags(p) -> None:
                    "gateway/proposals.py)")
     p.add_argument("--no-mixed-prefill", dest="mixed_prefill", action="store_false", help="gateway: prefill new "
                    "prompts in a call of their own (default: in the round's Verify forward: gateway/chunking.py)")
+    p.add_argument("--late-admission", action="store_true", help="gateway: requests that arrive while a round "
+                   "waits for its drafts ride that round's Verify (default: the next step's; gateway/chunking.py)")
     p.add_argument("--service-calls", default="local", choices=("local", "stream", "unary"), help="gateway: each "
                    "round's Verify and Propose on the services' local lanes (Unix sockets; else as stream), on one "
                    "persistent gRPC stream per service, or as unary calls")
@@ -211,7 +213,8 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                  + ([] if a.overlap_rounds else ["--no-overlap-rounds"])
                                  + ([] if a.propose_ahead else ["--no-propose-ahead"])
                                  + ([] if a.join_ahead else ["--no-join-ahead"])
-                                 + ([] if a.mixed_prefill else ["--no-mixed-prefill"]) + tls,
+                                 + ([] if a.mixed_prefill else ["--no-mixed-prefill"])
+                                 + (["--late-admission"] if a.late_admission else []) + tls,
                  f"{a.host}:{a.grpc_port}"))
     return cmds
 

@@ -43,10 +43,9 @@ def test_acceptance_profiles_parse_and_published_r1_lengths_follow():
                                  ((0.9, 0.5), 4)])
 def test_synthetic_acceptance_follows_its_profile(p, k):
     n = 4000
-    gens = [torch.Generator().manual_seed(i) for i in range(n)]
     target = torch.randint(100, 200, (n, k + 1))
     drafts = torch.randint(0, 100, (n, k))                  # never the target's tokens
-    accepted, emitted = synthetic_accept(target, drafts, torch.full((n,), k), p, gens)
+    accepted, emitted = synthetic_accept(target, drafts, torch.full((n,), k), p, [[i, 0] for i in range(n)])
     mal = 1 + accepted.float().mean().item()
     assert abs(mal - expected_acceptance_length(p, k)) < 0.06, (mal, expected_acceptance_length(p, k))
     for i in range(k):                                      # position i accepted given i - 1 was: P_i
@@ -61,20 +60,28 @@ def test_synthetic_acceptance_follows_its_profile(p, k):
 
 
 def test_synthetic_acceptance_with_mixed_draft_counts_takes_each_requests_own_draws():
-    """Requests of one Verify with 0..K drafts (adaptive K): request b's acceptance is decided by the first k_b draws
-    of its own generator alone (a seeded request accepts alike in any batch), never past its k_b drafts."""
+    """Requests of one Verify with 0..K drafts (adaptive K): request b's acceptance is decided by its own keyed
+    uniforms (seed, draw) alone (a seeded request accepts alike in any batch), never past its k_b drafts, and its
+    next Verify (draw + 1) draws anew."""
+    from kernels.noise import draw_keys, uniform
     n, K, p = 300, 4, (0.9, 0.6)
     g = torch.Generator().manual_seed(0)
     target, drafts = torch.randint(100, 200, (n, K + 1), generator=g), torch.randint(0, 100, (n, K), generator=g)
     k = torch.randint(0, K + 1, (n,), generator=g)
-    accepted, emitted = synthetic_accept(target, drafts, k, p, [torch.Generator().manual_seed(i) for i in range(n)])
+    seeds, draws = [1000 + b for b in range(n)], [b % 5 for b in range(n)]
+    states = [[s, d] for s, d in zip(seeds, draws)]
+    accepted, emitted = synthetic_accept(target, drafts, k, p, states)
+    assert [st[1] for st in states] == [d + 1 for d in draws]         # one draw taken a Verify
     for b in range(n):
-        u = torch.rand(int(k[b]), generator=torch.Generator().manual_seed(b)).tolist()
+        u = uniform(draw_keys(torch.tensor([seeds[b]]), torch.tensor([draws[b]])), K)[0, : int(k[b])].tolist()
         a = next((i for i, x in enumerate(u) if x >= p[min(i, len(p) - 1)]), int(k[b]))
         assert int(accepted[b]) == a <= int(k[b])
         assert emitted[b].tolist() == drafts[b, :a].tolist() + [int(target[b, a])] + [-1] * (K - a)
-    alone = synthetic_accept(target[7:8], drafts[7:8], k[7:8], p, [torch.Generator().manual_seed(7)])
+    alone = synthetic_accept(target[7:8], drafts[7:8], k[7:8], p, [[seeds[7], draws[7]]])
     assert int(alone[0][0]) == int(accepted[7]) and torch.equal(alone[1][0], emitted[7])
+    full = torch.full((n,), K)
+    again = [synthetic_accept(target, drafts, full, p, states)[0] for _ in (1, 2)]
+    assert not torch.equal(again[0], again[1])             # each Verify its own draws
 
 
 def test_synthetic_acceptance_in_the_engine_rolls_back_like_a_rejection():
@@ -112,6 +119,18 @@ def test_the_inprocess_grid_frees_its_engines_before_a_served_run_starts():
     assert len(run_grid(TINY, a)) == 2
     alive = sum(isinstance(o, TargetEngine) for o in gc.get_objects())   # (no collection in between)
     assert alive == 0, f"{alive} target engines still alive after run_grid returned"
+
+
+def test_the_inprocess_grid_repeats_each_row_with_its_ks_interleaved():
+    """--repeats measures the in-process rows as often as the served ones (a GPU's single in-process run moved 7 %
+    between calls), the Ks' order reversed every other repeat as the served modes are."""
+    import types
+    from tandem.bench_inprocess import run_grid
+    a = types.SimpleNamespace(ks="0,2", batches="1", requests_per_batch=1, max_tokens=4, prompt_tokens=8,
+                              device="cpu", dtype="", synthetic_acceptance="0.85", repeats=2)
+    rows = run_grid(TINY, a)
+    assert [(r["batch"], r["k"]) for r in rows] == [(1, 0), (1, 2), (1, 2), (1, 0)]
+    assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in rows)
 
 
 def test_bench_speed_served_split_and_inprocess(tmp_path):

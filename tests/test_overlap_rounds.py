@@ -343,3 +343,71 @@ def test_a_request_joining_a_round_planned_ahead_drafts_what_the_policy_gives_it
         assert first.finished and late.finished and late.output_ids == [NEXT] * 12, policy.name
         assert positions[0] == 0 and ks[0] == k_first, (policy.name, ks, positions)
         assert max(ks[1:]) == 3, (policy.name, ks)
+
+
+def test_a_request_arriving_while_the_round_waits_for_drafts_rides_its_verify_with_late_admission():
+    """--late-admission: a request that arrives while round 2 waits for its Propose rides round 2's Verify (its
+    prompt in that forward) and runs from round 3, a round sooner than without, with the same tokens."""
+    async def main(late_on: bool):
+        target, draft = FakeTarget(), Draft(delay=0.05)
+        s = Scheduler(target, draft, {2}, mixed_prefill=True, late_admission=late_on)
+        reqs = [request(s, (3, 4, 5 + i), max_tokens=13 + i, k=2 + i % 2) for i in range(3)]
+        late = request(s, (9, 9), max_tokens=11, k=3)
+        draft.reqs = reqs + [late]
+        for r in reqs:
+            s.submit(r)
+        await s.step()                                      # their Prefill, round 1; round 2's Propose goes out
+
+        async def arrive():
+            await asyncio.sleep(0.02)
+            s.submit(late)
+        arriving = asyncio.ensure_future(arrive())
+        await s.step()                                      # round 2: waits ~50 ms for its drafts
+        await arriving
+        verify = [req for name, req, _ in target.calls if name == "Verify"][-1]
+        rode = [it.request_id for it in verify.prefill.items]
+        if late_on:
+            assert rode == [late.id] and late in s.running and late.output_ids == [NEXT] and s.late_admissions == 1
+        else:
+            assert rode == [] and late in s.waiting and s.late_admissions == 0
+        await drive(s, [])
+        return reqs + [late], s
+    on, s_on = run(main(True))
+    off, _ = run(main(False))
+    for a, b in zip(on, off):
+        assert a.finished and b.finished and a.output_ids == b.output_ids == [NEXT] * a.max_tokens
+    assert not s_on._held and not s_on._in_flight
+
+
+def test_a_late_admitted_request_cancelled_during_the_verify_is_finished_and_released():
+    """Admitted late, a request is held by the round in flight like those it started with: its client gone while
+    the Verify runs, it is finished when the round returns and released on both services, not left running."""
+    class SlowVerify(FakeTarget):
+        async def Verify(self, req, timeout=None):
+            await asyncio.sleep(0.05)
+            return await super().Verify(req, timeout)
+
+    async def main():
+        target, draft = SlowVerify(), Draft(delay=0.05)
+        s = Scheduler(target, draft, {2}, mixed_prefill=True, late_admission=True)
+        reqs = [request(s, (3, 4, 5 + i), max_tokens=20, k=2) for i in range(2)]
+        late = request(s, (9, 9), max_tokens=11, k=3)
+        draft.reqs = reqs + [late]
+        for r in reqs:
+            s.submit(r)
+        await s.step()
+
+        async def arrive_then_leave():
+            await asyncio.sleep(0.02)
+            s.submit(late)                                  # admitted into round 2's Verify at ~50 ms
+            await asyncio.sleep(0.06)
+            assert s.late_admissions == 1 and late.id in s._in_flight
+            s.cancel(late)                                  # during that Verify
+        leaving = asyncio.ensure_future(arrive_then_leave())
+        await s.step()
+        await leaving
+        assert late.finished and late not in s.running and late not in s.prefilling
+        await drive(s, [])
+        released = [rid for name, req, _ in target.calls if name == "Release" for rid in req.request_ids]
+        assert late.id in released and all(r.finished and r.output_ids == [NEXT] * 20 for r in reqs)
+    run(main())

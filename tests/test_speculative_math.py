@@ -105,3 +105,15 @@ def test_take_spans_copies_the_committed_rows():
         got = take_spans(x, spans)
         want = torch.cat([x[s:e] for s, e in spans]) if spans else x[:0]
         assert torch.equal(got, want) and got.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_host_uniforms_are_the_devices_bits():
+    """kernels/noise.py host_uniform (numpy, for the synthetic acceptance's few draws a Verify) gives exactly the
+    uniforms of uniform(draw_keys(...)) (torch), negative seeds and large draw indices included."""
+    from kernels.noise import draw_keys, host_uniform, uniform
+    seeds = [0, 1, -1, 2**62 + 12345, -(2**63), 987654321]
+    draws = [0, 7, 3, 2**40, 1, 99]
+    want = uniform(draw_keys(torch.tensor(seeds), torch.tensor(draws)), 5).numpy()
+    got = host_uniform(seeds, draws, 5)
+    assert got.dtype == want.dtype and (got == want).all()
+    assert 0 < got.min() and got.max() < 1 and len({round(x, 12) for x in got.ravel()}) == got.size

@@ -19,7 +19,7 @@ from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
 from services.sampling import Sampling, TopQ, noise_seed
 from services.target import prefill as plan
-from services.target.synthetic import synthetic_accept
+from services.target.synthetic import STREAM as SYNTHETIC_STREAM, synthetic_accept
 from services.target.verify_io import check_q, draws, round_inputs, target_probs, token_logprobs
 
 
@@ -51,10 +51,10 @@ class _Request:
     pending_token: int
     num_tokens: int
     sampling: Sampling
-    generator: torch.Generator        # --synthetic-acceptance's draws only (services/target/synthetic.py)
     tokens: list[int]                 # every token so far (the pending one last): names its full blocks
     seed: int = 0                     # noise seed (kernels/noise.py): draw 0 chose the first token,
     draws: int = 1                    # each sampled Verify takes two (its uniforms, then its Exp(1) noise)
+    synthetic: list[int] | None = None  # --synthetic-acceptance: [seed, draws taken] (services/target/synthetic.py)
 
 
 WARM_DRAFTS = 4                              # acceptance kernels compiled at start for 0 .. this many drafts
@@ -135,7 +135,6 @@ class TargetEngine:
         items, logprobs, spans = step.items, step.logprobs, step.spans
         done = [b for b, ((_, p, _), (_, e)) in enumerate(zip(items, spans)) if e == len(p)]
         ends = torch.tensor([e - s for s, e in spans]).cumsum(0) - 1
-        gens = [items[b][2].generator() for b in done]
         seeds = [noise_seed(items[b][2], 0) for b in done]
         last_logits, sampled = None, []
         if done:                                                                  # prompts prefilled to the end
@@ -148,11 +147,12 @@ class TargetEngine:
         for (rid, prompt, _), (_, e) in zip(items, spans):
             self.cache.seal(rid, prompt, e)
             self.partial[rid] = (e, len(prompt))
-        for b, tok, g, seed in zip(done, sampled, gens, seeds):
+        for b, tok, seed in zip(done, sampled, seeds):
             rid, prompt, s = items[b]
             del self.partial[rid]
             first[b] = tok
-            self.requests[rid] = _Request(tok, len(prompt) + 1, s, g, list(prompt) + [tok], seed)
+            self.requests[rid] = _Request(tok, len(prompt) + 1, s, list(prompt) + [tok], seed, synthetic=(
+                None if self.synthetic_acceptance is None else [noise_seed(s, SYNTHETIC_STREAM), 0]))
         out = None if logprobs is None else plan.score(self, items, logprobs, hidden, spans, last_logits, sampled)
         return Prefilled(first, hidden, out, [s for s, _ in spans], [e for _, e in spans])
 
@@ -233,7 +233,7 @@ class TargetEngine:
         accepted, emitted = both[:, 0], both[:, 1:K + 2]
         if synthetic:                                      # BENCHMARK ONLY: after the real forward and check
             accepted, emitted = synthetic_accept(both[:, K + 2:2 * K + 3], both[:, 2 * K + 3:], k,
-                                                 self.synthetic_acceptance, [r.generator for r in reqs])
+                                                 self.synthetic_acceptance, [r.synthetic for r in reqs])
         accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides
         out_tokens, spans, accepted = [], [], accepted.tolist()                    # host lists: no per-item indexing
         for (rid, d, _), r, a, em, s0 in zip(items, reqs, accepted, emitted.tolist(), starts):
