@@ -411,3 +411,33 @@ def test_a_late_admitted_request_cancelled_during_the_verify_is_finished_and_rel
         released = [rid for name, req, _ in target.calls if name == "Release" for rid in req.request_ids]
         assert late.id in released and all(r.finished and r.output_ids == [NEXT] * 20 for r in reqs)
     run(main())
+
+
+def test_a_late_admitted_request_whose_verify_fails_waits_again_and_completes():
+    """The Verify a late admission rode fails (INTERNAL: the round's requests end with it): the new request, of
+    which the target kept nothing, goes back to the head of the queue and is served by the next steps."""
+    async def main():
+        target, draft = FakeTarget(), Draft(delay=0.05)
+        s = Scheduler(target, draft, {2}, mixed_prefill=True, late_admission=True)
+        reqs = [request(s, (3, 4, 5 + i), max_tokens=20, k=2) for i in range(2)]
+        late = request(s, (9, 9), max_tokens=11, k=3)
+        draft.reqs = reqs + [late]
+        for r in reqs:
+            s.submit(r)
+        await s.step()
+
+        async def arrive():
+            await asyncio.sleep(0.02)
+            s.submit(late)
+            target.fail = grpc.StatusCode.INTERNAL          # round 2's Verify, which it rides
+        arriving = asyncio.ensure_future(arrive())
+        await s.step()
+        await arriving
+        verify = [req for name, req, _ in target.calls if name == "Verify"][-1]
+        assert [it.request_id for it in verify.prefill.items] == [late.id] and s.late_admissions == 1
+        assert all(r.finished and r.output_ids != [NEXT] * 20 for r in reqs)     # failed with their round
+        assert s.waiting == [late] and not late.finished
+        target.fail = None
+        await drive(s, [])
+        assert late.finished and late.output_ids == [NEXT] * 11
+    run(main())
