@@ -1,6 +1,8 @@
 """OpenAI / vLLM request models and response shaping for the REST API (gateway/http.py serves them).
 
-Unknown fields are kept and ignored (`extra="allow"`). Defaults follow OpenAI: completions
+Unknown fields are kept and ignored (`extra="allow"`), but known parameters this server does not implement
+(penalties, logit_bias, structured output, tools, beam search, ...) are refused with a 400 naming them unless they
+ask for nothing (`UNSUPPORTED`). Defaults follow OpenAI: completions
 max_tokens 16, temperature 1, top_p 1; chat max_tokens the gateway's --default-max-tokens.
 
 Chat prompts: the checkpoint's `chat_template` from tokenizer_config.json, rendered with jinja2 as
@@ -97,8 +99,32 @@ def parse(cls, body: Any):
         raise RequestError(field, f"{field}: {err['msg']} (got {json.dumps(err.get('input'), default=str)[:80]})")
 
 
+# OpenAI / vLLM parameters this server does not implement -> the values that ask for nothing (what it does anyway)
+UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+               "min_tokens": (0,), "min_p": (0,), "suffix": ("",), "use_beam_search": (False,),
+               "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],), "guided_json": (),
+               "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": ()}
+
+
+def refuse_unsupported(req: _Sampling) -> None:
+    """A known parameter this server does not implement, set to anything but its neutral value (or null): 400
+    naming it, rather than an answer that silently ignored it. best_of: only as many as n."""
+    extra = req.model_extra or {}
+    for field, neutral in UNSUPPORTED.items():
+        v = extra.get(field)
+        if v is not None and v not in neutral:
+            ok = " or ".join(json.dumps(x) for x in (None, *neutral))
+            raise RequestError(field, f"{field}: not supported by this server (got {json.dumps(v)[:80]}); send {ok} "
+                               "or leave it out")
+    best_of = extra.get("best_of")
+    if best_of is not None and best_of != req.n:
+        raise RequestError("best_of", f"best_of: not supported by this server beyond n (got {json.dumps(best_of)[:80]}, "
+                           f"n is {req.n}); leave it out")
+
+
 def sampling_args(req: _Sampling, max_tokens: int | None) -> dict:
     """Common keyword arguments of Gateway.new_request, with OpenAI's defaults."""
+    refuse_unsupported(req)
     if req.n < 1:
         raise RequestError("n", f"n: must be >= 1, got {req.n}")
     if req.n > 16:

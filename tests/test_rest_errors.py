@@ -42,6 +42,20 @@ BAD = [
     ("chat: temperature < 0", "/v1/chat/completions", {"messages": MSGS, "temperature": -1}, 400,
      "temperature", ">= 0"),
     ("chat: unknown model", "/v1/chat/completions", {"messages": MSGS, "model": "nope"}, 404, "model", "nope"),
+    # known parameters this server does not implement: refused unless they ask for nothing (were silently ignored)
+    ("frequency_penalty set", "/v1/completions", {**OK, "frequency_penalty": 0.5}, 400, "frequency_penalty",
+     "not supported"),
+    ("presence_penalty set", "/v1/completions", {**OK, "presence_penalty": -1}, 400, "presence_penalty", "got -1"),
+    ("logit_bias set", "/v1/completions", {**OK, "logit_bias": {"5": 100}}, 400, "logit_bias", "not supported"),
+    ("best_of over n", "/v1/completions", {**OK, "best_of": 3}, 400, "best_of", "n is 1"),
+    ("min_tokens set", "/v1/completions", {**OK, "min_tokens": 4}, 400, "min_tokens", "not supported"),
+    ("suffix set", "/v1/completions", {**OK, "suffix": "\n"}, 400, "suffix", "not supported"),
+    ("chat: json mode", "/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"}}, 400,
+     "response_format", "json_object"),
+    ("chat: tools", "/v1/chat/completions", {"messages": MSGS, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]}, 400, "tools", "not supported"),
+    ("chat: guided_json", "/v1/chat/completions", {"messages": MSGS, "guided_json": {"type": "object"}}, 400,
+     "guided_json", "not supported"),
     ("tokenize: neither prompt nor messages", "/tokenize", {}, 400, "prompt", "prompt"),
     ("detokenize: id out of range", "/detokenize", {"tokens": [1, 99999]}, 400, "tokens", "out of range"),
     # a lone UTF-16 surrogate is valid JSON but not valid Unicode: no tokenizer takes it (was: 500)
@@ -81,10 +95,13 @@ def test_still_serving_after_bad_input(http):
 
 def test_unknown_fields_tolerated(http, api_cluster):
     r = http.post("/v1/completions", json={**OK, "model": api_cluster.model_name, "user": "u1", "logit_bias": {},
-                                           "presence_penalty": 0, "suffix": None, "some_future_field": [1, 2]})
+                                           "presence_penalty": 0, "frequency_penalty": 0.0, "suffix": None,
+                                           "best_of": 1, "repetition_penalty": 1.0, "min_tokens": 0,
+                                           "some_future_field": [1, 2]})
     assert r.status_code == 200, r.text
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi", "name": "me"}],
-                                                "max_tokens": 2, "tools": None, "parallel_tool_calls": False})
+                                                "max_tokens": 2, "tools": None, "parallel_tool_calls": False,
+                                                "response_format": {"type": "text"}, "functions": []})
     assert r.status_code == 200, r.text
 
 
