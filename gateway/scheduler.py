@@ -5,7 +5,8 @@ as soon as a Verify answers, before that round's commit (gateway/proposals.py). 
 leave as they finish; with a token budget a long prompt is prefilled in chunks, one Prefill per step (gateway/
 chunking.py). While requests run, a step's Prefill rides its round's Verify (VerifyRequest.prefill: one forward, so
 new prompts do not cost the running batch another read of every weight); its requests join the next round, their
-first drafts asked as soon as the Verify answers (proposals.join). Tokens are committed only from the target's
+first drafts asked as soon as the Verify answers (proposals.join); with --late-admission, requests that arrive while
+the round waits for its drafts join that Prefill (chunking.admit_late). Tokens are committed only from the target's
 answers (gateway/ending.py). A draft that fails (other than
 a contract error) costs speed, not tokens: its requests continue with zero drafts, speculation is degraded until
 the draft answers again, and their draft cache is re-synced before it proposes for them again
