@@ -9,7 +9,7 @@ and rolls back exactly as for a real rejection. The output is not the model's. G
 Each Verify takes one draw of the request's keyed noise (kernels/noise.py: a function of its seed and its
 Verify count, on a stream of its own), so a seeded request gives the same acceptance lengths on every run
 and in any batch; mean acceptance length = 1 + sum over i <= K of P_1 ... P_i. The draws are whole-batch
-tensor work on the host: this runs between the Verify's device work and the next round's Propose, a cost
+array work on the host (numpy): this runs between the Verify's device work and the next round's Propose, a cost
 real acceptance does not have (one torch.Generator draw a request took ~0.1 ms of a batch-32 round).
 
 Two profiles are worth measuring: a constant 0.85, and one like published DeepSeek-R1 MTP runs
