@@ -5,7 +5,7 @@ source .gpu/common.sh
 R=$OUT/r; mkdir -p $R
 snap() { mv $OUT/*.log $R/ 2>/dev/null; cp $OUT/parts.txt $OUT/gpu.txt $R/ 2>/dev/null; tar czf $OUT/r.tgz -C $OUT r; }
 OLDPP=$PYTHONPATH
-for b in 1 32; do
+for b in 32 1; do
   export TANDEM_PHASES_DIR=$R/ph$b PYTHONPATH=$PWD/.gpu/site36:$OLDPP
   part ph$b $([ $b = 1 ] && echo 110 || echo 150) python3 -m tandem bench speed --device cuda --random-config v2-lite --ks 3 --batches $b --max-tokens 64 --requests-per-batch 3 --synthetic-acceptance 0.85 --speculation fixed --out $R/p$b
   unset TANDEM_PHASES_DIR; export PYTHONPATH=$OLDPP
