@@ -160,6 +160,7 @@ def test_a_join_and_its_push_fail_together_with_the_pass(cluster):
 
 def test_a_push_and_its_join_meet_whichever_comes_first(monkeypatch):
     monkeypatch.setattr(draft_ahead, "JOIN_WAIT_S", 2.0)
+    monkeypatch.setattr(draft_ahead, "PUSH_WAIT_S", 2.0)
     for push_first in (True, False):
         joins, got = draft_ahead.Joins(), {}
         meet = threading.Thread(target=lambda: got.update(met=joins.meet("a")))
@@ -172,8 +173,18 @@ def test_a_push_and_its_join_meet_whichever_comes_first(monkeypatch):
         assert got["met"] is got["rode"] and got["met"].request == "the join's request" and got["met"].taken
 
 
+def test_a_push_whose_join_never_comes_holds_the_targets_lane_briefly():
+    """A push waits for its join on the draft's reader of the target's lane, which carries every gateway's pushes:
+    a join that never comes (its gateway died between the Verify and the join) holds the others' pushes 0.1 s, not
+    the 1 s a join waits for its push on its own gateway's lane."""
+    joins = draft_ahead.Joins()
+    t0 = time.monotonic()
+    assert joins.meet("orphan") is None and 0.09 <= time.monotonic() - t0 < 0.5
+
+
 def test_a_push_or_join_alone_waits_once_then_goes_alone(monkeypatch):
     monkeypatch.setattr(draft_ahead, "JOIN_WAIT_S", 0.1)
+    monkeypatch.setattr(draft_ahead, "PUSH_WAIT_S", 0.1)
     joins = draft_ahead.Joins()
     t0 = time.monotonic()
     assert joins.meet("p") is None and time.monotonic() - t0 >= 0.09     # its join never came

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from infra.errors import ServiceError
 
 GRACE_S = 2.0
-JOIN_WAIT_S = 1.0          # a push expecting its join, or a join its push, waits this long for the other
+PUSH_WAIT_S = 0.1          # a push expecting its join waits this long for it (the gateway sends it as the Verify
+#                           answers, ~0.5 ms later; the target's lane to the draft, every gateway's pushes, waits too)
+JOIN_WAIT_S = 1.0          # a join waits this long for its push (only its own gateway's lane waits with it)
 KEEP_S = 120.0
 MAX_KEPT = 256
 PENDING = object()
@@ -87,9 +89,9 @@ class Join:
 
 
 class Joins:
-    """Where a push that expects a join and the join meet, whichever comes first waiting up to JOIN_WAIT_S for
-    the other. Met: the push's pass computes both. Not met in time: each computes alone, and the id is closed, so
-    a late one does not wait (the last MAX_KEPT ids are remembered)."""
+    """Where a push that expects a join and the join meet, whichever comes first waiting for the other (a push up
+    to PUSH_WAIT_S, a join up to JOIN_WAIT_S). Met: the push's pass computes both. Not met in time: each computes
+    alone, and the id is closed, so a late one does not wait (the last MAX_KEPT ids are remembered)."""
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -98,7 +100,7 @@ class Joins:
 
     def meet(self, ahead_id: str) -> Join | None:
         """The push's side: -> the join riding it, now taken (the caller computes it and answers it), or None."""
-        end = time.monotonic() + JOIN_WAIT_S
+        end = time.monotonic() + PUSH_WAIT_S
         with self._cond:
             while ahead_id not in self._waiting and ahead_id not in self._closed:
                 left = end - time.monotonic()
