@@ -63,8 +63,8 @@ class Scheduler(Ending):
         self._wake = asyncio.Event()
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]    # several gateways may share one target
-        self._in_flight: set[str] = set()      # ids in the Prefill or round now awaiting the services
-        self._held: list[GenRequest] = []      # those requests (a round may admit more: late_admission)
+        self._held: list[GenRequest] = []      # in the Prefill or round now awaiting the services (a round may
+                                               # admit more: late_admission)
         self.inflight = InFlight()             # the Prefill, re-sync or round awaited now (target_lost cuts it)
         self.overlap = overlap                 # send the next round's Propose before committing (proposals.py)
         self.propose_ahead = propose_ahead     # ... from the target, named in the Verify (proposals.plan_ahead)
@@ -100,7 +100,7 @@ class Scheduler(Ending):
             self.waiting.remove(r)
         elif not r.finished:
             r.cancelled = True
-            if r.id not in self._in_flight:
+            if r not in self._held:
                 self._finish(r, None)
 
     async def run(self) -> None:
@@ -172,13 +172,13 @@ class Scheduler(Ending):
     async def _holding(self, reqs: list[GenRequest], call) -> None:
         """Await one Prefill, re-sync or round over `reqs` and those it admits late (cut short: they fail), then
         finish the cancelled."""
-        self._held, self._in_flight = list(reqs), {r.id for r in reqs}
+        self._held = list(reqs)
         try:
             cut = await self.inflight.run(call)        # why target_lost cut it short, or None
             for r in self._held if cut else []:
                 self.fail(r, grpc.StatusCode.UNAVAILABLE, cut)
         finally:
-            held, self._held, self._in_flight = self._held, [], set()
+            held, self._held = self._held, []
             for r in held:
                 if r.cancelled and not r.finished:
                     self._finish(r, None)
@@ -267,7 +267,6 @@ class Scheduler(Ending):
         self.riding += late
         self.late_admissions += len(late)
         self._held += [r for r, _ in late]
-        self._in_flight |= {r.id for r, _ in late}
 
     async def _join(self, riding: list[tuple[GenRequest, int]], vresp, ride: str = "") -> None:
         chunking.rode(self, riding, vresp)

@@ -36,8 +36,8 @@ def scrape(http_addr: str) -> dict[str, list[float]]:
                 out.setdefault(s.labels["phase"], [0.0, 0.0])[s.name.endswith("_count")] += s.value
             elif s.name in (CHOSEN_K + "_sum", CHOSEN_K + "_count"):     # k a request got a round, summed
                 out.setdefault("chosen_k", [0.0, 0.0])[s.name.endswith("_count")] += s.value
-            elif s.name in COUNTERS:          # parked requests woken for a probe; Prefills that rode a Verify;
-                out[COUNTERS[s.name]] = [s.value, 0.0]      # joiners' Proposes computed with the push
+            elif s.name in COUNTERS:                                     # the counters a row reports
+                out[COUNTERS[s.name]] = [s.value, 0.0]
     return out
 
 

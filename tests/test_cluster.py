@@ -384,8 +384,7 @@ def test_cancelled_requests_do_not_hurt_others_nor_leak(cluster, gw, ref_model):
         kept = [pool.submit(collect_stream, *c) for c in keep]
         cancels = [pool.submit(cancel_after, gw[i % 2], request([50 + i, 60], 200, K, ignore_eos=True), 1 + i % 5)
                    for i in range(10)]
-        # deadlines from 50 to 540 ms: while waiting, in Prefill and in rounds, never enough for 250 tokens (one
-        # request alone takes ~1.2 s here; up to 1.1 s, as before, one of them finished in time on a CI machine)
+        # deadlines of 50-540 ms (waiting, Prefill, rounds), never enough for 250 tokens (~1.2 s alone here)
         expiring = [gw[i % 2].Generate.future(request([70 + i], 250, K, ignore_eos=True), timeout=0.05 + 0.07 * i)
                     for i in range(8)]
         for f in cancels:
