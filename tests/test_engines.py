@@ -52,7 +52,7 @@ def speculate(te: TargetEngine, de: DraftEngine, prompts: dict, k, n: int, sampl
         proposals = de.propose(items, {r: rows[r] for r in live})
         for r in live:
             position[r] += len(pending[r])
-        accepted, emitted, hidden, _ = te.verify([(r, d, q) for r, (d, q) in zip(live, proposals)])
+        accepted, emitted, hidden, *_ = te.verify([(r, d, q) for r, (d, q) in zip(live, proposals)])
         if policy:
             policy.observe(live, [len(d) for d, _ in proposals], accepted)
         rows.update(zip(live, hidden.split([a + 1 for a in accepted])))
@@ -100,12 +100,12 @@ def test_oracle_drafts_accepted_and_rolled_back():
     ref = greedy_generate(target, prompt, 12)
     (first,), *_ = te.prefill([("a", prompt, Sampling())])
     assert first == ref[0]
-    acc, out, rows, _ = te.verify([("a", ref[1:4], None)])                 # all three drafts right
+    acc, out, rows, *_ = te.verify([("a", ref[1:4], None)])                 # all three drafts right
     assert acc == [3] and out == [ref[1:5]] and rows.shape[0] == 4
-    acc, out, rows, _ = te.verify([("a", [ref[5], ref[6], 1, 2], None)])   # wrong at position 2
+    acc, out, rows, *_ = te.verify([("a", [ref[5], ref[6], 1, 2], None)])   # wrong at position 2
     assert acc == [2] and out == [ref[5:8]] and rows.shape[0] == 3
     assert te.cache.length("a") == len(prompt) + 1 + 4 + 2               # rejected positions rolled back
-    acc, out, _, _ = te.verify([("a", [], None)])                          # k = 0: plain decoding
+    acc, out, *_ = te.verify([("a", [], None)])                          # k = 0: plain decoding
     assert acc == [0] and out == [[ref[8]]]
     te.release(["a"])
     assert te.cache.num_free_blocks == te.cache.num_blocks
@@ -143,7 +143,7 @@ def test_mtp_drafts_match_a_from_scratch_recomputation():
         fresh = DraftEngine(draft, new_cache(draft, 64), 2048)
         (ref, _), = fresh.propose([ProposeItem("x", seq, 1, Sampling(), 0)], {"x": h_all})
         assert drafts[0] == ref[0]
-        acc, (toks,), rows, _ = te.verify([("a", drafts, None)])
+        acc, (toks,), rows, *_ = te.verify([("a", drafts, None)])
         seq += toks
         pending = toks
 

@@ -96,13 +96,13 @@ def mutated(draw, desc: rows_pb2.HiddenRows) -> rows_pb2.HiddenRows:
     m = rows_pb2.HiddenRows()
     m.CopyFrom(desc)
     for field in draw(st.lists(st.sampled_from(
-            ["num_rows", "rows_per_request", "request_ids", "hidden_size", "dtype", "layout", "transport",
-             "nan", "inf", "truncate", "bytes", "transfer_id"]), min_size=1, max_size=2)):
+            ["num_rows", "rows_per_request", "used_rows_per_request", "request_ids", "hidden_size", "dtype",
+             "layout", "transport", "nan", "inf", "truncate", "bytes", "transfer_id"]), min_size=1, max_size=2)):
         if field in ("num_rows", "hidden_size"):
             setattr(m, field, draw(small))
-        elif field == "rows_per_request":
+        elif field in ("rows_per_request", "used_rows_per_request"):
             m.ClearField(field)
-            m.rows_per_request.extend(draw(st.lists(small, max_size=3)))
+            getattr(m, field).extend(draw(st.lists(small, max_size=3)))
         elif field == "request_ids":
             m.ClearField(field)
             m.request_ids.extend(draw(st.lists(rid, max_size=3)))

@@ -132,7 +132,7 @@ def serve(te, de, prompts: dict, k: int, n: int, sampled: bool, cancel: set = fr
                 assert r not in de.not_held
             position[r] += len(pending[r])
             cached[r] = 0
-        accepted, emitted, hidden, _ = te.verify([(r, d, q) for r, (d, q) in zip(live, proposals)])
+        accepted, emitted, hidden, *_ = te.verify([(r, d, q) for r, (d, q) in zip(live, proposals)])
         rows.update(zip(live, hidden.split([a + 1 for a in accepted])))
         for r, toks, a in zip(live, emitted, accepted):
             out[r] += toks

@@ -34,7 +34,7 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def push(sel
 
 
 GATEWAYS = [{"name": "ahead"}, {"name": "sent", "args": ["--no-propose-ahead"]}, {"name": "plain", "k": 0},
-            {"name": "nojoin", "args": ["--no-join-ahead"]}]
+            {"name": "nojoin", "args": ["--no-join-ahead"]}, {"name": "inline", "hidden_transport": "inline"}]
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +133,19 @@ def test_requests_that_join_ride_the_push_and_change_no_output(request, transpor
     nojoin = next(g for g in cluster.gateways if g.name == "nojoin")
     assert staggered(nojoin) == got and ahead_rounds(nojoin) > 0      # pushed, their joins apart
     assert ahead_rounds(sent, "spec_decode_joins_with_ahead") == ahead_rounds(nojoin, "spec_decode_joins_with_ahead") == 0
+
+
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_the_rows_a_verify_pushes_are_the_rows_sent_inline(request, transport):
+    """A Verify pushes every verified token's rows before its acceptance is known and the draft reads the committed
+    ones (HiddenRows.used_rows_per_request): the same drafts as rows sent inline, so the same acceptance, request
+    by request, greedy and seeded sampled."""
+    cluster = request.getfixturevalue("cluster" if transport == "auto" else "gloo_cluster")
+    ahead, inline = (next(g for g in cluster.gateways if g.name == n) for n in ("ahead", "inline"))
+    for sampled in (False, True):
+        got = outputs(ahead, sampled)
+        assert got == outputs(inline, sampled) and sum(a for _, _, a in got) > 0
+        assert sum(d - a for _, d, a in got) > 0, "no draft was rejected: the rows after the committed went unused"
 
 
 @pytest.mark.slow

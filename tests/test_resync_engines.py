@@ -21,7 +21,7 @@ def rounds(te, de, tokens: list[int], pending: list[int], rows: torch.Tensor, po
     for _ in range(n):
         (d, q), = de.propose([ProposeItem("r", pending, 3, Sampling(), position)], {"r": rows})
         position += len(pending)
-        _, emitted, rows, _ = te.verify([("r", d, q)])
+        _, emitted, rows, *_ = te.verify([("r", d, q)])
         kept.append(rows)
         pending = emitted[0]
         tokens += pending
@@ -46,7 +46,7 @@ def test_recompute_rows_rebuilds_a_lost_draft():
     (d_old, _), = de.propose([ProposeItem("r", pending, 3, Sampling(), position)], {"r": rows})
     (d_new, q), = fresh.propose([ProposeItem("r", list(tokens), 3, Sampling(), 0)], {"r": again})
     assert d_new == d_old                            # re-synced, it proposes what the old draft would have
-    _, emitted, rows, _ = te.verify([("r", d_new, q)])
+    _, emitted, rows, *_ = te.verify([("r", d_new, q)])
     tokens += emitted[0]
     pending, *_ = rounds(te, fresh, tokens, emitted[0], rows, len(tokens) - len(emitted[0]), 4)
     n = len(tokens) - len(PROMPT)

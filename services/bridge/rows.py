@@ -24,15 +24,18 @@ class ContractError(ServiceError):
 
 
 def describe(rows: torch.Tensor, request_ids: list[str], rows_per_request: list[int], transport: int,
-             transfer_id: int = 0) -> pb.HiddenRows:
-    """Descriptor for FULL rows [N, D], request-major. Asserts the tensor matches it."""
+             transfer_id: int = 0, used: list[int] | None = None) -> pb.HiddenRows:
+    """Descriptor for FULL rows [N, D], request-major; `used`: of each request's rows the first this many are read
+    (HiddenRows.used_rows_per_request). Asserts the tensor matches it."""
     n = sum(rows_per_request)
-    if rows.dim() != 2 or rows.shape[0] != n or len(request_ids) != len(rows_per_request):
+    if rows.dim() != 2 or rows.shape[0] != n or len(request_ids) != len(rows_per_request) or (used is not None and (
+            len(used) != len(request_ids) or any(u > r for u, r in zip(used, rows_per_request)))):
         raise RuntimeError(f"sender bug: hidden rows tensor {tuple(rows.shape)} does not match "
-                           f"rows_per_request {rows_per_request} (sum {n}) for {len(request_ids)} requests")
+                           f"rows_per_request {rows_per_request} (sum {n}) for {len(request_ids)} requests, "
+                           f"used {used}")
     msg = pb.HiddenRows(num_rows=n, request_ids=request_ids, rows_per_request=rows_per_request,
                         hidden_size=rows.shape[1], dtype=DTYPE_TO_PB[rows.dtype], layout=pb.ROW_LAYOUT_FULL,
-                        transport=transport, transfer_id=transfer_id)
+                        transport=transport, transfer_id=transfer_id, used_rows_per_request=used or [])
     if transport == pb.TRANSPORT_INLINE:
         msg.inline_data = rows.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
     return msg
@@ -64,11 +67,19 @@ def check(desc: pb.HiddenRows, expected: dict[str, int], hidden_size: int, dtype
         fail(f"hidden_size is {desc.hidden_size}, expected {hidden_size}")
     if PB_TO_DTYPE.get(desc.dtype) != dtype:
         fail(f"dtype is {_dtype_name(desc.dtype)}, expected {_dtype_name(DTYPE_TO_PB[dtype])}")
-    got = dict(zip(desc.request_ids, desc.rows_per_request))
+    field, used = "rows_per_request", desc.rows_per_request
+    if desc.used_rows_per_request:                # a Verify's rows: the committed tokens' first, then the rejected
+        field, used = "used_rows_per_request", desc.used_rows_per_request
+        if desc.layout != pb.ROW_LAYOUT_FULL or len(used) != len(desc.request_ids):
+            fail(f"used_rows_per_request has {len(used)} entries for {len(desc.request_ids)} requests (FULL "
+                 "layout only)")
+        for rid, u, n in zip(desc.request_ids, used, desc.rows_per_request):
+            if u > n:
+                fail(f"request {rid!r}: used_rows_per_request is {u}, more than its rows_per_request {n}")
+    got = dict(zip(desc.request_ids, used))
     for rid, n in expected.items():
         if got.get(rid, n) != n:
-            fail(f"request {rid!r}: rows_per_request is {got[rid]}, expected {n} "
-                 f"(one row per newly committed token)")
+            fail(f"request {rid!r}: {field} is {got[rid]}, expected {n} (one row per newly committed token)")
     if desc.transport == pb.TRANSPORT_INLINE:
         row_bytes = hidden_size * torch.finfo(dtype).bits // 8
         if len(desc.inline_data) != desc.num_rows * row_bytes:
@@ -129,6 +140,8 @@ def decode_inline(desc: pb.HiddenRows, device="cpu") -> torch.Tensor:
 
 
 def rows_by_request(desc: pb.HiddenRows, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """FULL rows [N, D] -> request id -> its rows [n_r, D] (views, request-major order)."""
+    """FULL rows [N, D] -> request id -> the rows it uses [n_r, D] (views, request-major order)."""
     parts = rows.split(list(desc.rows_per_request))
+    if desc.used_rows_per_request:
+        parts = [p[:u] for p, u in zip(parts, desc.used_rows_per_request)]
     return dict(zip(desc.request_ids, parts))

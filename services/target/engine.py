@@ -7,7 +7,7 @@ the device, keyed, so a seeded request ignores its batch-mates). Tokens are comm
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable
 
 import torch
 
@@ -20,30 +20,8 @@ from services.bridge.rows import expect_rows
 from services.sampling import Sampling, TopQ, noise_seed
 from services.target import prefill as plan
 from services.target.synthetic import STREAM as SYNTHETIC_STREAM, synthetic_accept
-from services.target.verify_io import check_q, draws, round_inputs, target_probs, token_logprobs
-
-
-class Prefilled(NamedTuple):
-    first: list[int]                  # the first sampled token of each item (0 while it prefills in chunks)
-    hidden: torch.Tensor              # final-norm rows of the prompt positions computed [sum T - cached, D]
-    logprobs: list | None = None      # per item {"prompt": [T-1 entries], "first": entry or None}, if asked
-    cached: list[int] | None = None   # per item: positions before this call's (prefix cache / earlier chunks)
-    computed: list[int] | None = None # per item: positions in the cache after it (< len(prompt): chunked, no first)
-
-
-class _PrefillStep(NamedTuple):
-    items: list                       # (request id, prompt, Sampling)
-    logprobs: list | None
-    spans: list[tuple[int, int]]      # per item the prompt positions computed now [start, end)
-    seqs: dict[str, list[int]]        # their tokens, by request id
-    new: list[str]                    # the requests this call starts (not continuing a chunked prompt)
-
-
-class Verified(NamedTuple):
-    accepted: list[int]               # accepted drafts per item
-    emitted: list[list[int]]          # committed tokens per item (accepted drafts + the bonus/recovered one)
-    rows: torch.Tensor                # hidden rows of the committed positions [sum(a + 1), D]
-    logprobs: list | None = None      # per item one entry per emitted token (empty lists where none asked)
+from services.target.verify_io import (PrefillStep, Prefilled, Verified, check_q, draws, round_inputs,
+                                       target_probs, token_logprobs)
 
 
 @dataclass
@@ -64,6 +42,8 @@ class TargetEngine:
     graph_row_inputs = 0                     # CUDA graphs: tokens only
     prefix_shift = 0                         # prefix caching: block j is decided by tokens[0 : (j+1)*bs]
     synthetic_acceptance: tuple[float, ...] | None = None   # BENCHMARK ONLY: services/target/synthetic.py
+    # rank 0 of a service with a bridge: (transfer id, a Verify's rows [N, D]) -> the rows sent (a copy), or None
+    push_rows: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None
 
     def graphs_enabled(self, warmup_batch: int = 0) -> None:
         """CUDA graphs are on (services/launch.py): compile the acceptance kernels now for every draft count a
@@ -105,7 +85,7 @@ class TargetEngine:
         hidden = self._run_prefill(batch, items)
         return self._prefill_end(step, hidden)
 
-    def _prefill_begin(self, items, logprobs, budgets) -> _PrefillStep:
+    def _prefill_begin(self, items, logprobs, budgets) -> PrefillStep:
         """Check the items and start their caches (prefix hits) -> the positions each computes now."""
         scored = [bool(w[1]) for w in logprobs] if logprobs else [False] * len(items)
         plan.check_items(self, items, scored)
@@ -115,7 +95,7 @@ class TargetEngine:
         except BaseException:
             self._prefill_abort(new)
             raise
-        return _PrefillStep(items, logprobs, spans, {rid: p[s:e] for (rid, p, _), (s, e) in zip(items, spans)}, new)
+        return PrefillStep(items, logprobs, spans, {rid: p[s:e] for (rid, p, _), (s, e) in zip(items, spans)}, new)
 
     def _prefill_abort(self, rids: list[str]) -> None:
         """Drop these requests' prefill state and cache (a failed step: the gateway starts them again or ends them)."""
@@ -130,7 +110,7 @@ class TargetEngine:
             self._prefill_abort([rid for rid, _, _ in items])
             raise
 
-    def _prefill_end(self, step: _PrefillStep, hidden: torch.Tensor):
+    def _prefill_end(self, step: PrefillStep, hidden: torch.Tensor):
         """The computed rows [sum(end - start), D] -> Prefilled: first tokens of the prompts prefilled to the end."""
         items, logprobs, spans = step.items, step.logprobs, step.spans
         done = [b for b, ((_, p, _), (_, e)) in enumerate(zip(items, spans)) if e == len(p)]
@@ -157,14 +137,16 @@ class TargetEngine:
         return Prefilled(first, hidden, out, [s for s, _ in spans], [e for _, e in spans])
 
     @torch.inference_mode()
-    def verify(self, items: list[tuple[str, list[int], torch.Tensor | None]], logprobs: list[int | None] | None = None):
+    def verify(self, items: list[tuple[str, list[int], torch.Tensor | None]], logprobs: list[int | None] | None = None,
+               push: int = 0):
         """items: (request id, draft tokens [k], draft probs: [k, V], TopQ [k, w] or None) -> Verified. logprobs:
-        per item top-n or None."""
+        per item top-n or None. push: a bridge transfer id for every verified row, sent as soon as the forward is
+        queued (push_rows), before the acceptance's sync: the draft finds them when the Propose comes."""
         reqs, seqs = self._verify_begin(items)
-        return self._verify_end(items, logprobs, reqs, self._forward(seqs))
+        return self._verify_end(items, logprobs, reqs, self._forward(seqs), push)
 
     @torch.inference_mode()
-    def verify_and_prefill(self, items, logprobs, prefill_items, prefill_logprobs=None, budgets=None):
+    def verify_and_prefill(self, items, logprobs, prefill_items, prefill_logprobs=None, budgets=None, push=0):
         """A Verify with a Prefill riding it (VerifyRequest.prefill): both in ONE forward, the Verify's tokens first,
         so new prompts cost the step their compute, not another read of every weight -> (Verified, Prefilled, or
         the ServiceError that refused the Prefill: bad items, or no room in the cache; the Verify then runs alone)."""
@@ -172,15 +154,15 @@ class TargetEngine:
         try:
             step = self._prefill_begin(prefill_items, prefill_logprobs, budgets)
         except ServiceError as e:
-            return self.verify(items, logprobs), e
+            return self.verify(items, logprobs, push), e
         try:
             batch = self._prepare({**vseqs, **step.seqs})
         except ServiceError as e:                # no room for both: its new prompts wait, prompts begun stay begun
             self._prefill_abort(step.new)
-            return self.verify(items, logprobs), e
+            return self.verify(items, logprobs, push), e
         hidden = self._run_prefill(batch, prefill_items)
         nv = sum(len(s) for s in vseqs.values())
-        return self._verify_end(items, logprobs, reqs, hidden[:nv]), self._prefill_end(step, hidden[nv:])
+        return self._verify_end(items, logprobs, reqs, hidden[:nv], push), self._prefill_end(step, hidden[nv:])
 
     def _verify_begin(self, items):
         """Check a Verify's items -> (their requests, the tokens each computes: the pending one and the drafts)."""
@@ -202,8 +184,9 @@ class TargetEngine:
         reqs = [self.requests[rid] for rid, _, _ in items]
         return reqs, {rid: [r.pending_token] + list(d) for (rid, d, _), r in zip(items, reqs)}
 
-    def _verify_end(self, items, logprobs, reqs, hidden: torch.Tensor):
+    def _verify_end(self, items, logprobs, reqs, hidden: torch.Tensor, push: int = 0):
         """The Verify's rows [N, D], N = sum(k + 1) -> acceptance, the committed tokens and rows: Verified."""
+        pushed = self.push_rows(push, hidden) if push and self.push_rows is not None else None
         B, K = len(items), max(len(d) for _, d, _ in items)
         V, dev = self.vocab_size, self.cache.device        # acceptance runs where the logits are (Triton on CUDA)
         k, starts, drafts, k_dev, idx = round_inputs([d for _, d, _ in items], dev)   # queued behind the step
@@ -244,12 +227,10 @@ class TargetEngine:
             self.cache.seal(rid, r.tokens, r.num_tokens - 1)                      # name full committed blocks
             out_tokens.append(toks)
             spans.append((s0, s0 + a + 1))
-        rows = take_spans(hidden, spans)                                         # the committed rows, copied
-        if logprobs is None:
-            return Verified(accepted, out_tokens, rows)
-        lps = [token_logprobs(logits[s:e], toks, n) if n is not None else []
-               for (s, e), toks, n in zip(spans, out_tokens, logprobs)]
-        return Verified(accepted, out_tokens, rows, lps)
+        rows = take_spans(hidden, spans) if pushed is None else pushed           # the committed rows, copied
+        lps = None if logprobs is None else [token_logprobs(logits[s:e], toks, n) if n is not None else []
+                                             for (s, e), toks, n in zip(spans, out_tokens, logprobs)]
+        return Verified(accepted, out_tokens, rows, lps, pushed is not None)
 
     @torch.inference_mode()
     def recompute_rows(self, items: list[tuple[str, list[int]]]) -> torch.Tensor:

@@ -61,6 +61,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
         self.lock = threading.Lock()          # one step at a time: the engine owns the cache
         self._transfer_ids = itertools.count(1)
         self.ahead = ahead.AheadSender()      # next rounds' Proposes, pushed to the draft (ahead.py)
+        self.engine.push_rows = self._push_verified
         profile = parse_profile(cfg.synthetic_acceptance)
         if profile is not None:                 # rank 0 decides acceptance, so only its engine needs it
             self.engine.synthetic_acceptance = profile
@@ -92,6 +93,22 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             with tracing.span("target.send_rows", rows=int(rows.shape[0]), transfer_id=tid):
                 self.channel.send(tid, rows)
         return describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_BRIDGE, tid), push
+
+    def _push_verified(self, tid: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The engine's push_rows: a Verify's rows [sum(k + 1), D], every verified position's, on the bridge as soon
+        as its forward is queued -> the copy sent, or None (the bridge is down, or they exceed an IPC slot: the
+        committed rows go as before)."""
+        if not (self.channel is not None and self.channel.ready and self.channel.pushes and self.channel.fits(hidden)):
+            return None
+        rows = hidden.clone()                  # queued behind the forward: hidden may be a CUDA graph's output buffer
+        try:                                   # (raising here, inside the engine call, would break a rank group)
+            with tracing.span("target.send_rows", rows=int(rows.shape[0]), transfer_id=tid):
+                self.channel.send(tid, rows)
+        except Exception as e:
+            log.warning("hidden rows transfer %d was not pushed (%s: %s): the committed rows go after the Verify",
+                        tid, type(e).__name__, e)
+            return None
+        return rows
 
     def _guard(self, context, fn):
         try:
@@ -158,20 +175,28 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
                     pitems, pwant, budgets = self._prefill_args(request.prefill)
                 except ServiceError as e:
                     riding, pre = False, e
+            # every verified row on the bridge before the acceptance's sync (the engine's push_rows)
+            early = next(self._transfer_ids) if request.return_hidden_rows and request.transport != \
+                rows_pb2.TRANSPORT_INLINE and self.channel is not None else 0
             t0 = time.perf_counter()
             with tracing.span("target.verify", requests=len(items), draft_tokens=sum(len(i[1]) for i in items),
                               prefill_requests=len(request.prefill.items)) as span:
                 if riding:
-                    res, pre = self.group.call(TargetEngine.verify_and_prefill, items, want, pitems, pwant, budgets)
+                    res, pre = self.group.call(TargetEngine.verify_and_prefill, items, want, pitems, pwant, budgets,
+                                               early)
                 else:
-                    res = self.group.call(TargetEngine.verify, items, want)
+                    res = self.group.call(TargetEngine.verify, items, want, early)
                 if span is not None:
                     span.set_attribute("accepted_tokens", sum(res.accepted))
             compute_s = time.perf_counter() - t0
             if isinstance(pre, ServiceError):
                 pre, refused = None, target_pb2.CallStatus(code=grpc.StatusCode[pre.code].value[0], message=str(pre))
-            desc, push = self._describe(request.return_hidden_rows, request.transport, [i[0] for i in items],
-                                        [a + 1 for a in res.accepted], res.rows)
+            ids, used = [i[0] for i in items], [a + 1 for a in res.accepted]
+            if res.pushed:                              # the rows of every verified token, the committed ones used
+                desc, push = describe(res.rows, ids, [len(i[1]) + 1 for i in items], rows_pb2.TRANSPORT_BRIDGE,
+                                      early, used), None
+            else:
+                desc, push = self._describe(request.return_hidden_rows, request.transport, ids, used, res.rows)
             if push is not None and not (request.HasField("ahead") and self.channel.pushes):
                 push()                                  # parked before the draft can ask (a pull must find them)
                 push = None

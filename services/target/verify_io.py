@@ -1,10 +1,11 @@
-"""A Verify's inputs and outputs on the host: the drafts laid out for the acceptance kernels, the draft
-distributions' checks, the sampling draws and target distributions, and token logprobs (the target engine's,
-services/target/engine.py)."""
+"""A step's inputs and outputs on the host (the target engine's, services/target/engine.py): what a Prefill and a
+Verify return, the drafts laid out for the acceptance kernels, the draft distributions' checks, the sampling draws
+and target distributions, and token logprobs."""
 from __future__ import annotations
 
 from array import array
 from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 
@@ -12,6 +13,30 @@ from infra.errors import ServiceError
 from kernels.dispatch import sampling_probs
 from kernels.noise import draw_keys, exp_noise, uniform
 from services.sampling import Sampling, TopQ
+
+
+class Prefilled(NamedTuple):
+    first: list[int]                  # the first sampled token of each item (0 while it prefills in chunks)
+    hidden: torch.Tensor              # final-norm rows of the prompt positions computed [sum T - cached, D]
+    logprobs: list | None = None      # per item {"prompt": [T-1 entries], "first": entry or None}, if asked
+    cached: list[int] | None = None   # per item: positions before this call's (prefix cache / earlier chunks)
+    computed: list[int] | None = None # per item: positions in the cache after it (< len(prompt): chunked, no first)
+
+
+class PrefillStep(NamedTuple):
+    items: list                       # (request id, prompt, Sampling)
+    logprobs: list | None
+    spans: list[tuple[int, int]]      # per item the prompt positions computed now [start, end)
+    seqs: dict[str, list[int]]        # their tokens, by request id
+    new: list[str]                    # the requests this call starts (not continuing a chunked prompt)
+
+
+class Verified(NamedTuple):
+    accepted: list[int]               # accepted drafts per item
+    emitted: list[list[int]]          # committed tokens per item (accepted drafts + the bonus/recovered one)
+    rows: torch.Tensor                # hidden rows of the committed positions [sum(a + 1), D], or if pushed
+    logprobs: list | None = None      # per item one entry per emitted token (empty lists where none asked)
+    pushed: bool = False              # rows: every verified position's [sum(k + 1), D], on the bridge already
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[float, list[int], list[float]]]:
