@@ -27,8 +27,9 @@ expected committed tokens per second.
   follows it. A draft token is worth taking while p > R * dC/dm: where a verify token is nearly free, deep
   drafts of likely requests pay; at batch 1 on a machine where a draft step costs half a verify, none may.
   Equal estimates get equal k (ties go to the shallower draft first). TANDEM_LOG_LEVEL=DEBUG logs
-  each round's choice, prices and estimates, then its outcome. A request prefilled after its round was
-  planned (its first Propose rides on a Propose sent ahead) drafts 0 in it: the next plan gives it a k.
+  each round's choice, prices and estimates, then its outcome. A request prefilled after its round was planned
+  (its first Propose rides on a Propose sent ahead) drafts 0 in it: the next plan gives it a k. Seeded sampled
+  requests draft their cap in every round (GenRequest.seeded_sampling), so that a seed repeats its tokens.
 - Depth. A request held at 0 < k < its cap for SYNC_PROBE rounds drafts k + 1 once, so the figure of the
   position past its k is measured, not left at a few early failures (a bandit's exploration). Every request
   then at 0 < k < its cap goes one deeper in that same round: the deeper MTP step is paid by the whole batch
@@ -157,8 +158,7 @@ class AdaptivePolicy(FixedPolicy):
         return out
 
     def estimate(self, r: GenRequest) -> list[float]:
-        st = r.policy_state
-        if st is None or not st.acc.reached:
+        if (st := r.policy_state) is None or not st.acc.reached:
             return []
         return [st.acc.rate(i, self.class_rate(st.greedy, i), PRIOR_WEIGHT) for i in range(len(st.acc.reached))]
 
@@ -172,6 +172,7 @@ class AdaptivePolicy(FixedPolicy):
         caps = [r.round_k(r.k) for r in synced]
         rows0 = sum(len(r.draft.pending) for r in synced)
         ks, startup = self.choose(batch, synced, caps) if synced else ([], False)
+        ks = [c if r.seeded_sampling else k for r, k, c in zip(synced, ks, caps)]      # (module docstring, Choice)
         spec = synced if any(ks) or startup else []
         if spec:
             self.drafted[bucket(len(batch))] = self.round
@@ -222,8 +223,8 @@ class AdaptivePolicy(FixedPolicy):
         return ks, unsettled
 
     def joining(self, reqs: list[GenRequest]) -> None:
-        for r in reqs:                      # their catch-up only (module docstring, Choice)
-            r.round_cap = 0
+        for r in reqs:                      # their catch-up only (module docstring, Choice; seeded: their cap)
+            r.round_cap = r.round_cap if r.seeded_sampling else 0
 
     def observe(self, batch: list[GenRequest], split: dict[str, float]) -> None:
         drafted, outcome = 0, []

@@ -94,6 +94,14 @@ class GenRequest:
     preemptions: int = 0                                     # times the KV cache's room was taken back from it
 
     @property
+    def seeded_sampling(self) -> bool:
+        """A seeded sampled request: its tokens depend on which drafts each round checks (the rejection rule's
+        draws are its own, keyed on its seed and Verify count: kernels/noise.py), so a speculation policy gives
+        it the same k every round (its cap), or the same seed would give other tokens. Greedy tokens do not
+        depend on k; unseeded sampled ones are not meant to repeat."""
+        return self.sampling.temperature > 0 and self.sampling.HasField("seed")
+
+    @property
     def context_ids(self) -> list[int]:
         """What its Prefill computes: the prompt, and after a preemption the output so far (recomputed)."""
         return self.prompt_ids + self.output_ids if self.preemptions else self.prompt_ids

@@ -60,3 +60,33 @@ def test_adaptive_greedy_equals_k0(tmp_path):
     assert counts[0] > 0 and sum(1 for n in counts[1:] if n > 0) >= 2, counts
     assert m["tandem:spec_decode_parked_total"] > 0 and m["tandem:spec_decode_reprobes_total"] > 0, m
     assert m['tandem:spec_decode_request_acceptance_count'] > 0
+
+
+def test_a_seed_repeats_its_tokens_whatever_k_the_policy_would_choose(tmp_path):
+    """Seeded sampled requests (temperature 1) under the adaptive policy draft their cap in every round (the
+    rejection rule's draws are keyed on the seed and the Verify count, so another k gives other tokens): the same
+    tokens sent alone, sent again, sent together with greedy batch-mates, and from a fixed-K gateway."""
+    ckpt = make_checkpoint(tmp_path / "tiny", seed=7)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(4 + 5 * i)] for i in range(6)]
+    with Cluster(ckpt, k=K, log_dir=tmp_path / "logs",
+                 gateways=[{"args": ["--speculation", "adaptive", "--adaptive-reprobe-rounds", "3",
+                                     "--no-overlap-rounds"]}, {"args": ["--speculation", "fixed"]}]) as c:
+        adaptive, fixed = c.gateways
+
+        def send(gw, i, temperature=1.0):
+            return gw.stub.Generate.future(gen.GenerateRequest(
+                token_ids=gen.TokenIds(ids=prompts[i]), max_tokens=48, ignore_eos=True, temperature=temperature,
+                seed=1000 + i), timeout=300)
+        alone = [send(adaptive, i).result() for i in range(len(prompts))]
+        again = [send(adaptive, i).result() for i in range(len(prompts))]
+        mates = [send(adaptive, i, temperature=0.0) for i in range(len(prompts))]
+        together = [f.result() for f in [send(adaptive, i) for i in range(len(prompts))]]
+        [f.result() for f in mates]
+        pinned = [f.result() for f in [send(fixed, i) for i in range(len(prompts))]]
+    for i in range(len(prompts)):
+        want = list(pinned[i].token_ids)
+        assert len(want) == 48 and pinned[i].spec_stats.num_drafts > 0
+        for name, out in (("alone", alone), ("again", again), ("with batch-mates", together)):
+            assert list(out[i].token_ids) == want, f"prompt {i} {name}: the seed gave other tokens"
+    assert sum(r.spec_stats.num_draft_tokens - r.spec_stats.num_accepted_tokens for r in pinned) > 0
