@@ -114,20 +114,25 @@ class Gateway:
     def new_request(self, ids: list[int], max_tokens: int | None, *, temperature: float = 0.0, top_p: float = 0.0,
                     top_k: int = 0, seed: int | None = None, stop: list[str] = (), ignore_eos: bool = False,
                     k: int | None = None, logprobs: int | None = None, prompt_logprobs: bool = False,
-                    ids_param: str = "prompt", span=None) -> GenRequest:
-        """Validate and build one generation; raises RequestError naming the field."""
+                    ids_param: str = "prompt", span=None, default_max_tokens: int | None = None,
+                    tokens_param: str = "max_tokens") -> GenRequest:
+        """Validate and build one generation; raises RequestError naming the field (`tokens_param`: the name
+        max_tokens came as). max_tokens None: the default (`default_max_tokens`, else the gateway's), within the
+        configured cap and the room the prompt leaves (an explicit max_tokens that does not fit is refused)."""
         lim = self.limits
         self.check_ids(ids, ids_param)
-        if max_tokens is None:                # the default never exceeds the configured cap
-            max_tokens = min(lim.default_max_tokens, lim.max_output_tokens or lim.default_max_tokens)
-        if max_tokens < 0:
-            raise RequestError("max_tokens", f"max_tokens: must be >= 0, got {max_tokens}")
-        self.check_limits(len(ids), max_tokens, ids_param)
-        if len(ids) > self.prompt_limit:
+        if len(ids) >= self.prompt_limit:     # the target holds the prompt and at least its first token
             raise RequestError(ids_param, f"prompt has {len(ids)} tokens, more than the model's limit of "
-                                          f"{self.prompt_limit} tokens (max_model_len {lim.max_model_len})")
+                                          f"{self.prompt_limit - 1} prompt tokens (max_model_len {lim.max_model_len} "
+                                          "holds the prompt and its first generated token)")
+        if max_tokens is None:
+            default = default_max_tokens or lim.default_max_tokens
+            max_tokens = min(default, lim.max_output_tokens or default, self.prompt_limit - len(ids))
+        if max_tokens < 0:
+            raise RequestError(tokens_param, f"{tokens_param}: must be >= 0, got {max_tokens}")
+        self.check_limits(len(ids), max_tokens, ids_param, tokens_param)
         if len(ids) + max_tokens > self.prompt_limit:
-            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+            raise RequestError(tokens_param, f"prompt ({len(ids)} tokens) + {tokens_param} ({max_tokens}) exceeds "
                                              f"the model's limit of {self.prompt_limit} tokens")
         if not temperature >= 0:
             raise RequestError("temperature", f"temperature: must be >= 0, got {temperature}")
@@ -159,19 +164,23 @@ class Gateway:
                           k=k if max_tokens > 0 else 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                           span=span, max_model_len=lim.max_model_len)
 
-    def check_limits(self, n_prompt: int, max_tokens: int, ids_param: str) -> None:
+    def check_limits(self, n_prompt: int, max_tokens: int, ids_param: str, tokens_param: str = "max_tokens") -> None:
         """The configured per-request caps (--max-prompt-tokens, --max-output-tokens), named in the error."""
         lim = self.limits
         if lim.max_prompt_tokens and n_prompt > lim.max_prompt_tokens:
             raise RequestError(ids_param, f"prompt has {n_prompt} tokens, more than this gateway's limit of "
                                           f"{lim.max_prompt_tokens} (--max-prompt-tokens)")
         if lim.max_output_tokens and max_tokens > lim.max_output_tokens:
-            raise RequestError("max_tokens", f"max_tokens: {max_tokens} is more than this gateway's limit of "
+            raise RequestError(tokens_param, f"{tokens_param}: {max_tokens} is more than this gateway's limit of "
                                              f"{lim.max_output_tokens} (--max-output-tokens)")
 
     def admit(self, n: int) -> None:
         """Before building n new requests: GenerationError when the target is down (UNAVAILABLE) or the
         queue is full (RESOURCE_EXHAUSTED, HTTP 429)."""
+        most = self.scheduler.avail.max_waiting
+        if most and n > most:                 # never admitted, however long the client waits: not a 429
+            raise RequestError("prompt", f"prompt: {n} generations (prompts x n) in one request, more than this "
+                                         f"gateway queues at once ({most}, --max-waiting)")
         refused = self.scheduler.avail.admit(n, len(self.scheduler.waiting))
         if refused is not None:
             raise (QueueFull if refused[0] == grpc.StatusCode.RESOURCE_EXHAUSTED else GenerationError)(*refused)

@@ -23,11 +23,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import openai_api as api
 from gateway.core import UINT64, GenerationError, Gateway, RequestError
+from gateway.http_io import read_limited, until_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics, hidden_transport
 from gateway.responses import Choice, CompletionShaper
 from infra import tracing
 
 log = logging.getLogger("tandem.gateway")
+READ = ["GET", "HEAD"]                    # HEAD where GET works (RFC 9110; load balancers probe with it)
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -103,15 +105,14 @@ def add_generation_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
         req = await parse_body(gw, request, api.CompletionRequest)
         check_model(gw, req.model)
         prompts = api.completion_prompts(req, gw.encode)
-        max_tokens = min(16, gw.limits.max_output_tokens or 16) if req.max_tokens is None else req.max_tokens
-        if max_tokens == 0 and not req.echo:
+        if req.max_tokens == 0 and not req.echo:
             raise RequestError("max_tokens", "max_tokens: must be >= 1 (0 only with echo, to score the prompt)")
-        common = dict(api.sampling_args(req, max_tokens), logprobs=req.logprobs,
-                      prompt_logprobs=req.echo and req.logprobs is not None)
+        common = dict(api.sampling_args(req, req.max_tokens), logprobs=req.logprobs, default_max_tokens=16,
+                      prompt_logprobs=req.echo and req.logprobs is not None)      # (OpenAI's default: 16)
         reqs, span = start(gw, expand(prompts, req, common), req, "text_completion", request)
         choices = [Choice(i, r, prompts[i // req.n][1]) for i, r in enumerate(reqs)]
         shaper = CompletionShaper(gw, choices, req, chat=False, num_prompts=len(prompts))
-        return await respond(shaper, span, req.stream)
+        return await respond(shaper, span, req.stream, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -120,27 +121,31 @@ def add_generation_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
         text = api.render_chat(chat.template, req.messages, req.add_generation_prompt, chat.special,
                                req.chat_template_kwargs)
         ids = gw.encode(text, add_special_tokens=False, param="messages")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(req, field)
         if max_tokens is not None and max_tokens < 1:
-            raise RequestError("max_tokens", f"max_tokens: must be >= 1, got {max_tokens}")
+            raise RequestError(field, f"{field}: must be >= 1, got {max_tokens}")
         if req.top_logprobs is not None and not req.logprobs:
             raise RequestError("top_logprobs", "top_logprobs: needs logprobs: true")
-        common = dict(api.sampling_args(req, max_tokens),
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= gw.limits.max_logprobs:
+            raise RequestError("top_logprobs", f"top_logprobs: must be in [0, {gw.limits.max_logprobs}], "
+                                               f"got {req.top_logprobs}")
+        common = dict(api.sampling_args(req, max_tokens), tokens_param=field,
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         reqs, span = start(gw, expand([(ids, text)], req, common), req, "chat", request)
         shaper = CompletionShaper(gw, [Choice(i, r, text) for i, r in enumerate(reqs)], req, chat=True,
                                   num_prompts=1)
-        return await respond(shaper, span, req.stream)
+        return await respond(shaper, span, req.stream, request)
 
     def model_card() -> dict:
         return {"id": gw.model_name, "object": "model", "created": int(time.time()), "owned_by": "tandem",
                 "root": gw.model_dir, "parent": None, "max_model_len": gw.limits.max_model_len}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=READ)
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=READ)
     async def model(model_id: str):          # the openai client's models.retrieve
         check_model(gw, model_id)
         return model_card()
@@ -148,7 +153,7 @@ def add_generation_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
 
 def add_tokenizer_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
     """vLLM's /tokenizer_info, /tokenize and /detokenize."""
-    @app.get("/tokenizer_info")
+    @app.api_route("/tokenizer_info", methods=READ)
     async def tokenizer_info():
         cfg = {k: v for k, v in gw.tokenizer_config.items() if k != "added_tokens_decoder"}
         return {**cfg, **{k: v for k, v in chat.special.items() if v}, "chat_template": chat.template,
@@ -179,7 +184,7 @@ def add_tokenizer_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
 
 def add_operations_routes(app: FastAPI, gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | None) -> None:
     """/health (503 with the reason when the gateway cannot serve), /metrics and /ping: open, no API key."""
-    @app.get("/health")
+    @app.api_route("/health", methods=READ)
     async def health():
         reasons = []
         if loop_task is not None and loop_task.done():
@@ -200,11 +205,11 @@ def add_operations_routes(app: FastAPI, gw: Gateway, metrics: GatewayMetrics, lo
             body["reason"] = "; ".join(reasons)
         return JSONResponse(body, status_code=503 if reasons else 200)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=READ)
     async def prometheus():
         return Response(await metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/ping")
+    @app.api_route("/ping", methods=READ)
     async def ping():
         return PlainTextResponse("pong")
 
@@ -249,32 +254,14 @@ def expand(prompts, req, common: dict) -> list[dict]:
             for ids, _ in prompts for j in range(req.n)]
 
 
-async def respond(shaper: CompletionShaper, span, stream: bool):
-    if stream:
+async def respond(shaper: CompletionShaper, span, stream: bool, request: Request):
+    if stream:                                  # a client gone: the stream's generator closes, cancelling its requests
         return StreamingResponse(shaper.sse(span), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     try:
-        return JSONResponse(await shaper.collect())
+        return await until_disconnected(request, shaper.collect())
     finally:
         shaper.finish_span(span)
-
-
-async def read_limited(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 naming the limit once it exceeds `limit` bytes (declared or streamed):
-    never buffered past the limit."""
-    def too_large(n: str):
-        return RequestError(None, f"request body of {n} bytes exceeds this gateway's limit of {limit} bytes "
-                                  "(--max-request-bytes)", status=413, code="request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large(declared)
-    chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:
-            raise too_large(f"more than {limit}")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def fastapi_telemetry() -> dict:

@@ -3,7 +3,8 @@
 Unknown fields are kept and ignored (`extra="allow"`), but known parameters this server does not implement
 (penalties, logit_bias, structured output, tools, beam search, ...) are refused with a 400 naming them unless they
 ask for nothing (`UNSUPPORTED`). Defaults follow OpenAI: completions
-max_tokens 16, temperature 1, top_p 1; chat max_tokens the gateway's --default-max-tokens.
+max_tokens 16, temperature 1, top_p 1; chat max_tokens the gateway's --default-max-tokens; a default max_tokens
+shrinks to the room a long prompt leaves (gateway/core.py).
 
 Chat prompts: the checkpoint's `chat_template` from tokenizer_config.json, rendered with jinja2 as
 transformers does (sandboxed, trim_blocks, lstrip_blocks, `raise_exception`, `tojson`), else
@@ -132,12 +133,18 @@ def sampling_args(req: _Sampling, max_tokens: int | None) -> dict:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 16:
         raise RequestError("stop", f"stop: at most 16 strings, got {len(stop)}")
+    if req.seed is not None and not 0 <= req.seed < 2 ** 64:     # (choice j of n uses seed + j, wrapping)
+        raise RequestError("seed", f"seed: must be in [0, 2**64), got {req.seed}")
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options", "stream_options: only with stream: true")
     top_k = req.top_k if req.top_k is not None else 0
     if top_k == -1:
         top_k = 0
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if top_p == 0:                        # the smallest nucleus: the most probable token (to the services 0 is off)
+        top_p, top_k = 1.0, 1
     return dict(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, stop=stop,
-                ignore_eos=req.ignore_eos, k=req.num_speculative_tokens)
+                top_p=top_p, top_k=top_k, stop=stop, ignore_eos=req.ignore_eos, k=req.num_speculative_tokens)
 
 
 def completion_prompts(req: CompletionRequest, encode) -> list[tuple[list[int], str | None]]:

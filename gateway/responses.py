@@ -105,10 +105,10 @@ class CompletionShaper:
             lp = self._logprobs(c, c.token_ids, c.logprobs, first=True, last=True)
             if self.chat:
                 d = {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                     "finish_reason": c.finish, "stop_reason": None}
+                     "finish_reason": c.finish, "stop_reason": _stop_reason(c)}
             else:
                 d = {"index": c.index, "text": (self._prompt_text(c) if self.echo else "") + text, "logprobs": lp,
-                     "finish_reason": c.finish, "stop_reason": None}
+                     "finish_reason": c.finish, "stop_reason": _stop_reason(c)}
                 if self.return_ids:
                     d["prompt_token_ids"] = list(c.r.prompt_ids)
             if self.return_ids:
@@ -136,6 +136,8 @@ class CompletionShaper:
         if self.return_ids:
             d["token_ids"] = list(ev.token_ids)
         c.finish = ev.finish_reason or c.finish
+        if ev.finish_reason:
+            d["stop_reason"] = _stop_reason(c)
         return d
 
     def _data(self, choices: list[dict]) -> str:
@@ -178,3 +180,8 @@ class CompletionShaper:
             for t in tasks:
                 t.cancel()
             self.finish_span(span)
+
+
+def _stop_reason(c: Choice) -> str | None:
+    """vLLM's stop_reason: the stop string that ended the choice (None: EOS, max_tokens, or still running)."""
+    return getattr(c.r.text, "matched", None) if c.finish == "stop" else None

@@ -27,6 +27,7 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0                          # characters already emitted
         self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.matched: str | None = None        # the stop string that ended the text (vLLM's stop_reason)
         self.done = ""                         # the text of ids[:read], final
         self.prefix = self.read = 0            # the window ids[prefix:] is decoded; ids[prefix:read] already read
         self._read_text: str | None = ""       # decode(ids[prefix:read]), once computed
@@ -77,9 +78,10 @@ class TextStream:
         """Append token ids -> (new text safe to emit, whether a stop string ended the text)."""
         self.ids += ids
         text = self.text()
-        hits = [i for i in (text.find(s, max(0, self.sent - self.hold)) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s in self.stop if (i := text.find(s, max(0, self.sent - self.hold))) >= 0]
         if hits:
-            return self._emit(text[: min(hits)]), True
+            at, self.matched = min(hits, key=lambda h: h[0])
+            return self._emit(text[:at]), True
         safe = max(0, len(text) - self.hold)   # (a text shorter than the hold emits nothing yet)
         if safe > self.sent:                   # not up to an unfinished UTF-8 sequence (nor a run of junk bytes)
             safe = max(self.sent, len(text[:safe].rstrip("\ufffd")))

@@ -162,6 +162,18 @@ def test_rest_disconnect_frees_kv_promptly(cluster):
     assert drained_within(cluster) < QUICK_S
 
 
+def test_rest_disconnect_before_a_whole_response_frees_kv_promptly(cluster):
+    """Not streamed: a client that gives up (its read timeout) cancels its requests as a stream's does, rather
+    than leaving them to run to max_tokens for nobody."""
+    url = cluster.gateways[0].http_url
+    body = {"prompt": [5, 6, 8], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "n": 2}
+    before = metric(url, "tandem:generation_tokens")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    assert drained_within(cluster) < QUICK_S
+    assert metric(url, "tandem:generation_tokens") - before < 2 * 4000 / 2, "the requests ran on after the client left"
+
+
 def test_grpc_cancel_frees_kv_promptly(cluster):
     s = Stream(cluster.gateways[0].stub, [8, 9], K, max_tokens=4000)
     wait_until(lambda: len(s.tokens) >= 10, 30, "tokens")

@@ -2,6 +2,8 @@
 keeps serving; the API key guards /v1/*; /health says whether the cluster can serve."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from openai import AuthenticationError, OpenAI
@@ -56,6 +58,20 @@ BAD = [
         "name": "f", "parameters": {}}}]}, 400, "tools", "not supported"),
     ("chat: guided_json", "/v1/chat/completions", {"messages": MSGS, "guided_json": {"type": "object"}}, 400,
      "guided_json", "not supported"),
+    ("prompt of max_model_len scored", "/v1/completions", {"prompt": [5] * 2048, "max_tokens": 0, "echo": True,
+                                                          "logprobs": 0}, 400, "prompt", "limit of 2047 prompt tokens"),
+    # more generations than the queue ever holds: not a 429 (retrying cannot help)
+    ("prompts over --max-waiting", "/v1/completions", {"prompt": [[5]] * 257, "max_tokens": 1}, 400, "prompt",
+     "--max-waiting"),
+    ("seed out of range", "/v1/completions", {**OK, "seed": -1}, 400, "seed", "[0, 2**64)"),
+    ("stream_options without stream", "/v1/completions", {**OK, "stream_options": {"include_usage": True}}, 400,
+     "stream_options", "stream: true"),
+    ("chat: top_logprobs too many", "/v1/chat/completions", {"messages": MSGS, "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs", "[0, 20]"),
+    ("chat: negative max_completion_tokens", "/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": -5},
+     400, "max_completion_tokens", ">= 1"),
+    ("chat: max_completion_tokens over the limit", "/v1/chat/completions",
+     {"messages": MSGS, "max_completion_tokens": 10 ** 6}, 400, "max_completion_tokens", "limit of"),
     ("tokenize: neither prompt nor messages", "/tokenize", {}, 400, "prompt", "prompt"),
     ("detokenize: id out of range", "/detokenize", {"tokens": [1, 99999]}, 400, "tokens", "out of range"),
     # a lone UTF-16 surrogate is valid JSON but not valid Unicode: no tokenizer takes it (was: 500)
@@ -103,6 +119,29 @@ def test_unknown_fields_tolerated(http, api_cluster):
                                                 "max_tokens": 2, "tools": None, "parallel_tool_calls": False,
                                                 "response_format": {"type": "text"}, "functions": []})
     assert r.status_code == 200, r.text
+
+
+def test_what_users_leave_implicit(http):
+    """A default max_tokens shrinks to the room a long prompt leaves (an explicit one that does not fit is refused,
+    above); top_p 0 is the smallest nucleus, the most probable token (not "off"); stop_reason names the stop string
+    that ended a choice (vLLM's), streamed too; HEAD answers where GET does."""
+    r = http.post("/v1/completions", json={"prompt": [5] * 2040, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+    greedy = http.post("/v1/completions", json={**OK, "max_tokens": 12}).json()["choices"][0]["text"]
+    r = http.post("/v1/completions", json={**OK, "max_tokens": 12, "temperature": 1.0, "top_p": 0, "n": 4})
+    assert [c["text"] for c in r.json()["choices"]] == [greedy] * 4, r.text
+    stop = greedy[3:6]
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={**OK, "max_tokens": 12, "stop": ["zzz", stop], "stream": stream})
+        ends = [c for c in (r.json()["choices"] if not stream else [
+            json.loads(line[6:])["choices"][0] for line in r.text.splitlines()
+            if line.startswith("data: {")]) if c["finish_reason"]]
+        assert [(c["finish_reason"], c["stop_reason"]) for c in ends] == [("stop", stop)], r.text
+    r = http.post("/v1/completions", json={**OK, "max_tokens": 3})
+    assert r.json()["choices"][0]["stop_reason"] is None
+    for path in ("/health", "/v1/models", "/metrics", "/ping"):
+        r = http.head(path)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
 
 
 def test_api_key(api_cluster):
