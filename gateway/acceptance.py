@@ -1,8 +1,13 @@
 """The adaptive policy's view of one request (gateway/adaptive.py): its acceptance counts by draft position,
-fading with age, and the flags the policy keeps between rounds."""
+fading with age, and the flags the policy keeps between rounds; and the round's best point along the batch's gain
+path (best_path)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.spec_costs import CostModel
 
 
 class Acceptance:
@@ -41,3 +46,25 @@ class RequestState:
     shallow: int = 0                 # rounds at 0 < k < its cap in a row
     parked_at: int = 0               # the round it was last parked
     probing: bool = False            # woken for a probe: k >= 1 in its next speculating round
+
+
+def best_path(gains: list[list[float]], forced: list[int], batch: int, rows0: int, costs: CostModel) -> list[int]:
+    """gains[i][j]: probability that draft j + 1 of request i is accepted (falling in j); forced[i]: its
+    least k. -> k of each request at the best point of the gain path (module docstring)."""
+    ks = list(forced)
+    tokens = batch + sum(sum(g[:f]) for g, f in zip(gains, forced))
+    m, steps = sum(ks), max(ks, default=0)
+    rest = sorted((-g, j, i) for i, gs in enumerate(gains) for j, g in enumerate(gs) if j >= forced[i])
+    price = costs.pricer(batch)                     # rows0: a once-per-request cost, not the round's
+    best_rate, best_m = tokens / max(price(m, steps), 1e-9), 0
+    for n, (neg, j, _) in enumerate(rest, 1):
+        tokens, m = tokens - neg, m + 1
+        if j >= steps:
+            steps = j + 1
+        cost = price(m, steps)
+        rate = tokens / (cost if cost > 1e-9 else 1e-9)
+        if rate > best_rate:
+            best_rate, best_m = rate, n
+    for _, j, i in rest[:best_m]:
+        ks[i] = max(ks[i], j + 1)
+    return ks

@@ -40,7 +40,9 @@ expected committed tokens per second.
   When no request drafts, the round skips the Propose and its requests are parked (DraftState.park):
   they decode at the cost of K = 0. Every reprobe interval the longest-parked request is woken: it is
   re-synced (gateway/resync.py) and probed with k = 1. The interval is `--adaptive-reprobe-rounds`,
-  or by default as often as PROBE_BUDGET of the round time allows at the measured cost of a re-sync.
+  or by default as often as PROBE_BUDGET of the round time allows at the measured cost of a re-sync; a request
+  whose re-sync that budget does not pay for within MAX_REPROBE rounds stays parked (a long context on a CPU: a
+  re-sync of 2,000 tokens stalled every stream ~10 s, every 1,024 rounds).
 - Start-up. The first START_CYCLES * (cap + 1) rounds of each batch bucket with synced requests draft
   k = cap, cap - 1, .., 0 in turn (k = 0: a Propose of no drafts, so nobody is parked), so every whole k
   is measured START_CYCLES times (a median: a shape's slow first call does not decide) before the policy
@@ -56,7 +58,7 @@ from __future__ import annotations
 
 import logging
 
-from gateway.acceptance import Acceptance, RequestState
+from gateway.acceptance import Acceptance, RequestState, best_path
 from gateway.request import GenRequest
 from gateway.spec_costs import CostModel, bucket
 
@@ -184,7 +186,7 @@ class AdaptivePolicy(FixedPolicy):
                 r.draft.park()
                 st.parked_at = self.round
                 self.parks += 1
-                self.next_wake = self.next_wake or self.round + self._interval(r, len(batch))
+                self.next_wake = self.next_wake or self.round + int(min(MAX_REPROBE, self._interval(r, len(batch))))
         self._last = (len(batch), rows0, max(ks, default=0), sum(ks)) if spec else (len(batch), 0, 0, 0)
         return spec
 
@@ -261,40 +263,21 @@ class AdaptivePolicy(FixedPolicy):
         if not parked:
             self.next_wake = 0
             return
+        parked = [r for r in parked if self._interval(r, len(batch)) <= MAX_REPROBE]   # the budget pays for these
+        if not parked:
+            self.next_wake = self.round + MAX_REPROBE
+            return
         r = min(parked, key=lambda r: self.state(r).parked_at)
         r.draft.wake()
         self.state(r).probing = True
         self.wakes += 1
-        self.next_wake = self.round + self._interval(r, len(batch))
+        self.next_wake = self.round + int(self._interval(r, len(batch)))
 
-    def _interval(self, r: GenRequest, batch: int) -> int:
-        """Rounds until the next wake: the flag's, or what PROBE_BUDGET of the round time pays for."""
+    def _interval(self, r: GenRequest, batch: int) -> float:
+        """Rounds until the next wake: the flag's, or what PROBE_BUDGET of the round time pays for (over
+        MAX_REPROBE: not paid for)."""
         if self.reprobe_rounds:
             return self.reprobe_rounds
         probe = self.costs.probe_s(len(r.prompt_ids) + len(r.output_ids))
         round_s = self.costs.round_s(batch, 0, 0, 0)
-        if round_s <= 0:
-            return MIN_REPROBE
-        return int(min(MAX_REPROBE, max(MIN_REPROBE, probe / (PROBE_BUDGET * round_s))))
-
-
-def best_path(gains: list[list[float]], forced: list[int], batch: int, rows0: int, costs: CostModel) -> list[int]:
-    """gains[i][j]: probability that draft j + 1 of request i is accepted (falling in j); forced[i]: its
-    least k. -> k of each request at the best point of the gain path (module docstring)."""
-    ks = list(forced)
-    tokens = batch + sum(sum(g[:f]) for g, f in zip(gains, forced))
-    m, steps = sum(ks), max(ks, default=0)
-    rest = sorted((-g, j, i) for i, gs in enumerate(gains) for j, g in enumerate(gs) if j >= forced[i])
-    price = costs.pricer(batch)                     # rows0: a once-per-request cost, not the round's
-    best_rate, best_m = tokens / max(price(m, steps), 1e-9), 0
-    for n, (neg, j, _) in enumerate(rest, 1):
-        tokens, m = tokens - neg, m + 1
-        if j >= steps:
-            steps = j + 1
-        cost = price(m, steps)
-        rate = tokens / (cost if cost > 1e-9 else 1e-9)
-        if rate > best_rate:
-            best_rate, best_m = rate, n
-    for _, j, i in rest[:best_m]:
-        ks[i] = max(ks[i], j + 1)
-    return ks
+        return MIN_REPROBE if round_s <= 0 else max(MIN_REPROBE, probe / (PROBE_BUDGET * round_s))

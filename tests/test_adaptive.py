@@ -23,14 +23,15 @@ def request(i: int, k: int, temperature: float = 0.0) -> GenRequest:
     return r
 
 
-def simulate(policy, reqs, profiles, cost, rounds, seed=0):
-    """-> per round {request id: k drafted}. Stale requests are re-synced first, as Scheduler.step does."""
+def simulate(policy, reqs, profiles, cost, rounds, seed=0, resync_s=2e-4):
+    """-> per round {request id: k drafted}. Stale requests are re-synced first, as Scheduler.step does
+    (resync_s a committed token)."""
     rng, log = random.Random(seed), []
     for _ in range(rounds):
         for r in reqs:
             if r.draft.stale:
                 n = len(r.prompt_ids) + len(r.output_ids)
-                policy.resynced(n, 2e-4 * n)
+                policy.resynced(n, resync_s * n)
                 r.draft.resynced(list(r.prompt_ids) + list(r.output_ids), None)
         spec = policy.plan(reqs)
         ks = {r.id: r.round_k() for r in spec}
@@ -70,6 +71,22 @@ def test_failing_drafts_drop_to_zero_park_and_are_reprobed():
     assert probes and all(sorted(d.values()) == [1] for d in probes), probes
     assert all(not r.draft.speculate and r.draft.parked or r.draft.stale for r in reqs)
     assert all(policy.estimate(r)[0] < 0.3 for r in reqs)
+
+
+def test_a_resync_the_budget_does_not_pay_for_stays_parked():
+    """The default re-probe interval: a parked request whose re-sync costs more than PROBE_BUDGET of MAX_REPROBE
+    rounds (a long context on a slow machine: every stream stalls while it runs) is not woken once that cost is
+    known; a short one keeps being re-probed."""
+    policy = AdaptivePolicy(4)
+    short, long = request(0, 4), request(1, 4)
+    long.prompt_ids = list(range(3, 3 + 100_000))
+    long.draft.prefilled(long.prompt_ids + [3], None, speculate=True, wants_drafts=True)
+    wakes = {}
+    for r in (short, long):
+        wake = r.draft.wake
+        r.draft.wake = lambda wake=wake, rid=r.id: (wakes.__setitem__(rid, wakes.get(rid, 0) + 1), wake())
+    simulate(policy, [short, long], {"r0": [0.0], "r1": [0.0]}, CHEAP, 1500, resync_s=5e-6)
+    assert wakes.get("r1", 0) <= 1 and wakes.get("r0", 0) >= 4, wakes      # (the first, before any re-sync cost)
 
 
 def test_high_acceptance_and_cheap_verify_draft_deep_dear_drafts_do_not():
