@@ -12,9 +12,11 @@ MESSAGE = "missing or wrong API key: send metadata `authorization: Bearer <key>`
 
 
 def authorized(header: str | bytes | None, api_key: str) -> bool:
-    """Constant-time comparison of an Authorization value with `Bearer api_key`."""
+    """An Authorization value `Bearer api_key` (the scheme in any case, RFC 9110; the key compared in constant
+    time)."""
     given = header.encode() if isinstance(header, str) else (header or b"")
-    return secrets.compare_digest(given, f"Bearer {api_key}".encode())
+    scheme, _, key = given.strip().partition(b" ")
+    return secrets.compare_digest(key.strip() if scheme.lower() == b"bearer" else b"", api_key.encode())
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

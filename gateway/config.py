@@ -10,6 +10,7 @@ from pathlib import Path
 
 from infra import tls as tls_mod
 from infra.defaults import HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS, MAX_NUM_BATCHED_TOKENS, NUM_SPECULATIVE_TOKENS
+from infra.ports import check_addr_port, check_port
 from tandem.v1 import rows_pb2
 
 DESCRIPTION = """`tandem gateway`: the public face in front of the target and draft services — the gRPC
@@ -93,6 +94,18 @@ class GatewayConfig:
             raise SystemExit(f"--model {self.model}: no tokenizer.json there")
         if min(self.max_prompt_tokens, self.max_output_tokens) < 0 or self.max_request_bytes < 1024:
             raise SystemExit("--max-prompt-tokens and --max-output-tokens must be >= 0, --max-request-bytes >= 1024")
+        if not (self.draft_timeout_s > 0 and self.rpc_timeout_s > 0):
+            raise SystemExit(f"tandem gateway: --draft-timeout and --rpc-timeout must be > 0, got "
+                             f"{self.draft_timeout_s} and {self.rpc_timeout_s}")
+        for flag, n, least in (("--max-batch", self.max_batch, 1), ("--max-waiting", self.max_waiting, 0),
+                               ("--default-max-tokens", self.default_max_tokens, 1), ("--max-logprobs",
+                               self.max_logprobs, 0)):
+            if n < least:
+                raise SystemExit(f"tandem gateway: {flag} must be >= {least}, got {n}")
+        for flag, port in (("--grpc-port", self.grpc_port), ("--http-port", self.http_port)):
+            check_port(flag, port, "tandem gateway", least=0)
+        for flag, addr in (("--target-addr", self.target_addr), ("--draft-addr", self.draft_addr)):
+            check_addr_port(flag, addr, "tandem gateway")
         self.tls.validate("tandem gateway")
         return self
 

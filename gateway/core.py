@@ -52,6 +52,9 @@ class NoTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return ""
 
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return 0
+
     def id_to_token(self, tid: int) -> None:
         return None
 
@@ -79,17 +82,32 @@ class Gateway:
         self.scheduler, self.limits = scheduler, limits
         path = Path(model_dir) / "tokenizer_config.json"
         self.tokenizer_config: dict = json.loads(path.read_text()) if path.exists() else {}
+        self._token_bytes: int | None = None
 
     # --- tokens ----------------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt", prompt: bool = True) -> list[int]:
         """Token ids of `text`; a 400 / INVALID_ARGUMENT naming `param` when it is not valid Unicode (a JSON
-        string may carry a lone UTF-16 surrogate, "\\ud800", which no tokenizer takes)."""
+        string may carry a lone UTF-16 surrogate, "\\ud800", which no tokenizer takes), or when a `prompt` is
+        more bytes than the model's limit of tokens can cover, found without tokenizing it (seconds of a core for
+        megabytes). Call it off the event loop (asyncio.to_thread: the tokenizer releases the GIL)."""
         try:
-            text.encode("utf-8")
+            n = len(text.encode("utf-8"))
         except UnicodeEncodeError as e:
             raise RequestError(param, f"{param}: holds an unpaired UTF-16 surrogate (U+{ord(text[e.start]):04X}) at "
                                       f"character {e.start}: not valid Unicode") from None
+        if prompt and n > self.prompt_limit and n > self.prompt_limit * self.token_bytes():
+            raise RequestError(param, f"{param}: {n} bytes of text are more than {self.prompt_limit - 1} tokens, "
+                                      f"the model's limit of prompt tokens, can hold ({self.token_bytes()} bytes the "
+                                      "longest token)")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for (a text of n bytes is at least n / this many tokens)."""
+        if self._token_bytes is None:
+            size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+            self._token_bytes = max((len(self.tokenizer.decode([i], skip_special_tokens=False).encode())
+                                     for i in range(size)), default=1 << 30)     # (no tokenizer: never)
+        return self._token_bytes
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -99,7 +117,7 @@ class Gateway:
 
     def check_ids(self, ids: list[int], param: str) -> None:
         if not ids:
-            raise RequestError(param, "prompt: empty (give text or token ids)")
+            raise RequestError(param, f"{param}: empty (give text or token ids)")
         bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
         if bad:
             raise RequestError(param, f"{param}: id {bad[0]} is out of range, vocab_size is {self.limits.vocab_size}")
@@ -122,7 +140,7 @@ class Gateway:
         lim = self.limits
         self.check_ids(ids, ids_param)
         if len(ids) >= self.prompt_limit:     # the target holds the prompt and at least its first token
-            raise RequestError(ids_param, f"prompt has {len(ids)} tokens, more than the model's limit of "
+            raise RequestError(ids_param, f"{ids_param}: the prompt has {len(ids)} tokens, more than the model's limit of "
                                           f"{self.prompt_limit - 1} prompt tokens (max_model_len {lim.max_model_len} "
                                           "holds the prompt and its first generated token)")
         if max_tokens is None:
@@ -168,7 +186,7 @@ class Gateway:
         """The configured per-request caps (--max-prompt-tokens, --max-output-tokens), named in the error."""
         lim = self.limits
         if lim.max_prompt_tokens and n_prompt > lim.max_prompt_tokens:
-            raise RequestError(ids_param, f"prompt has {n_prompt} tokens, more than this gateway's limit of "
+            raise RequestError(ids_param, f"{ids_param}: the prompt has {n_prompt} tokens, more than this gateway's limit of "
                                           f"{lim.max_prompt_tokens} (--max-prompt-tokens)")
         if lim.max_output_tokens and max_tokens > lim.max_output_tokens:
             raise RequestError(tokens_param, f"{tokens_param}: {max_tokens} is more than this gateway's limit of "

@@ -2,6 +2,7 @@
 request life in gateway/core.py; errors are the gRPC status of the request's failure."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -20,15 +21,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(self, gw: Gateway):
         self.gw = gw
 
-    def build(self, request: generate_pb2.GenerateRequest, span=None) -> GenRequest:
-        """Validate a request; raises RequestError naming the field, expected and actual value."""
+    async def build(self, request: generate_pb2.GenerateRequest, span=None) -> GenRequest:
+        """Validate a request (its text tokenized off the event loop); raises RequestError naming the field,
+        expected and actual value."""
         which = request.WhichOneof("prompt")
         ids = list(request.token_ids.ids) if which == "token_ids" else (
-            self.gw.encode(request.text, param="text") if which == "text" else [])
+            await asyncio.to_thread(self.gw.encode, request.text, True, "text") if which == "text" else [])
         return self.gw.new_request(
             ids, request.max_tokens or None, temperature=request.temperature, top_p=request.top_p,
             top_k=request.top_k, seed=request.seed if request.HasField("seed") else None, stop=list(request.stop),
-            ignore_eos=request.ignore_eos, ids_param="token_ids" if which == "token_ids" else "prompt",
+            ignore_eos=request.ignore_eos, ids_param=which or "prompt",
             k=request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None, span=span)
 
     async def _events(self, request, context):
@@ -41,7 +43,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             try:
                 self.gw.admit(1)
-                r = self.build(request, span)
+                r = await self.build(request, span)
             except RequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except GenerationError as e:          # refused: the target is down, or the queue is full

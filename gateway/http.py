@@ -13,7 +13,6 @@ import asyncio
 import inspect
 import json
 import logging
-import secrets
 import time
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import openai_api as api
+from gateway.auth import authorized
 from gateway.core import UINT64, GenerationError, Gateway, RequestError
 from gateway.http_io import read_limited, until_disconnected
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics, hidden_transport
@@ -67,8 +67,7 @@ def add_guards(app: FastAPI, api_key: str) -> None:
     @app.middleware("http")
     async def authorize(request: Request, call_next):
         if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            if not authorized(request.headers.get("authorization"), api_key):
                 return error(401, "missing or wrong API key: send `Authorization: Bearer <key>`")
         return await call_next(request)
 
@@ -104,7 +103,7 @@ def add_generation_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
     async def completions(request: Request):
         req = await parse_body(gw, request, api.CompletionRequest)
         check_model(gw, req.model)
-        prompts = api.completion_prompts(req, gw.encode)
+        prompts = await asyncio.to_thread(api.completion_prompts, req, gw.encode)      # tokenized off the loop
         if req.max_tokens == 0 and not req.echo:
             raise RequestError("max_tokens", "max_tokens: must be >= 1 (0 only with echo, to score the prompt)")
         common = dict(api.sampling_args(req, req.max_tokens), logprobs=req.logprobs, default_max_tokens=16,
@@ -120,7 +119,7 @@ def add_generation_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
         check_model(gw, req.model)
         text = api.render_chat(chat.template, req.messages, req.add_generation_prompt, chat.special,
                                req.chat_template_kwargs)
-        ids = gw.encode(text, add_special_tokens=False, param="messages")
+        ids = await asyncio.to_thread(gw.encode, text, False, "messages")
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(req, field)
         if max_tokens is not None and max_tokens < 1:
@@ -167,9 +166,9 @@ def add_tokenizer_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
             raise RequestError("prompt", "give exactly one of prompt or messages")
         if req.messages is not None:
             text = api.render_chat(chat.template, req.messages, req.add_generation_prompt, chat.special)
-            ids = gw.encode(text, add_special_tokens=bool(req.add_special_tokens), param="messages")
+            ids = await asyncio.to_thread(gw.encode, text, bool(req.add_special_tokens), "messages", False)
         else:
-            ids = gw.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            ids = await asyncio.to_thread(gw.encode, req.prompt, req.add_special_tokens is not False, "prompt", False)
         return {"count": len(ids), "max_model_len": gw.limits.max_model_len, "tokens": ids,
                 "token_strs": [gw.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None}
 

@@ -93,9 +93,11 @@ class GatewayMetrics(Observer):
         self._generated.inc(n)
 
     def finished(self, r: GenRequest, reason: str | None, now: float) -> None:
+        """r ended: reason stop | length, or None: cancelled by its client (abort, as vLLM counts it) or failed
+        (error)."""
         if reason:
             self.e2e.labels(self.model_name).observe(now - r.arrival)
-            self.success.labels(self.model_name, reason).inc()
+        self.success.labels(self.model_name, reason or ("abort" if r.cancelled else "error")).inc()
         if self.scheduler is not None and r.stats.num_drafts:
             for i, a in enumerate(self.scheduler.policy.estimate(r)):
                 self.request_acceptance.labels(self.model_name, str(i)).observe(a)

@@ -98,6 +98,8 @@ class Scheduler(Ending):
         Propose/Verify (failing the whole round with "not running")."""
         if r in self.waiting:
             self.waiting.remove(r)
+            r.cancelled = True
+            self.obs.finished(r, None, time.monotonic())
         elif not r.finished:
             r.cancelled = True
             if r not in self._held:

@@ -27,7 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.scheduler import Scheduler
 from gateway import watch
 from infra import tls as tls_mod, tracing
-from infra.grpc_server import channel_options
+from infra.grpc_server import bind, channel_options, server_options
 from tandem.v1 import common_pb2, draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc
 
 log = logging.getLogger("tandem.gateway")
@@ -98,17 +98,14 @@ async def connect(cfg: GatewayConfig) -> Services:
 
 def grpc_listener(cfg: GatewayConfig, gw: Gateway) -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
     """The gRPC server (GenerateService behind the API key, health and reflection open), bound -> its port."""
-    server = grpc.aio.server(options=channel_options(cfg.max_request_bytes),
+    server = grpc.aio.server(options=server_options(cfg.max_request_bytes),
                              interceptors=[ApiKeyInterceptor(cfg.key)] if cfg.key else None)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(gw), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(["tandem.v1.GenerateService", reflection.SERVICE_NAME,
                                          "grpc.health.v1.Health"], server)
-    port = tls_mod.add_port(server, f"{cfg.host}:{cfg.grpc_port}", cfg.tls, require_client_cert=False)
-    if not port:
-        raise SystemExit(f"gateway: cannot bind the gRPC port {cfg.host}:{cfg.grpc_port}")
-    return server, health, port
+    return server, health, bind(server, cfg.host, cfg.grpc_port, cfg.tls, "--grpc-port", require_client_cert=False)
 
 
 async def serve(cfg: GatewayConfig) -> None:

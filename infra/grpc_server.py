@@ -19,6 +19,25 @@ def channel_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]
     return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
 
 
+def server_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """A server's: no SO_REUSEPORT (gRPC's default on Linux), so a port another process serves fails to bind
+    instead of being shared, which split one cluster's clients with another's."""
+    return channel_options(max_bytes) + [("grpc.so_reuseport", 0)]
+
+
+def bind(server, host: str, port: int, tls, flag: str, **kw) -> int:
+    """Listen on host:port -> the bound port; SystemExit naming the port and `flag` when it cannot."""
+    from infra import tls as tls_mod
+    try:
+        bound = tls_mod.add_port(server, f"{host}:{port}", tls or tls_mod.PLAINTEXT, **kw)
+    except RuntimeError:                              # grpcio >= 1.60 raises where older ones returned 0
+        bound = 0
+    if not bound:
+        raise SystemExit(f"cannot bind the gRPC port {host}:{port} (in use by another process?); choose another "
+                         f"with {flag}")
+    return bound
+
+
 class HealthServicer(health.HealthServicer):
     """gRPC health whose Check runs on threads of its own (gRPC's per-method pool), not the server's
     workers: those may all wait for the engine lock behind a long step, and the gateway and `tandem
@@ -37,16 +56,14 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
     """Start a server with `register(server)`'s servicers plus health and reflection; block until
     SIGINT/SIGTERM, then mark NOT_SERVING and stop with a grace period. `tls` (infra.tls.TlsFiles):
     listen with TLS, and with its CA require client certificates (mutual TLS)."""
-    from infra import tls as tls_mod, tracing
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_bytes),
+    from infra import tracing
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=server_options(max_bytes),
                          interceptors=[InternalErrors()] + tracing.server_interceptors())
     register(server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(service_names + [reflection.SERVICE_NAME, health.SERVICE_NAME], server)
-    bound = tls_mod.add_port(server, f"{host}:{port}", tls or tls_mod.PLAINTEXT)
-    if not bound:
-        raise SystemExit(f"cannot bind {host}:{port}")
+    bound = bind(server, host, port, tls, "--grpc-port (under `tandem serve`: --target-port or --draft-port)")
     server.start()
     for name in service_names + [""]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

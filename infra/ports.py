@@ -24,3 +24,17 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def check_port(flag: str, port: int, prog: str, least: int = 1) -> None:
+    """A TCP port a flag names: SystemExit naming it outside least..65535 (a negative one wrapped around to
+    another; least 0: the system picks a free one)."""
+    if not least <= port <= 65535:
+        raise SystemExit(f"{prog}: {flag} must be a TCP port in {least}..65535, got {port}")
+
+
+def check_addr_port(flag: str, addr: str, prog: str) -> None:
+    """host:port of a flag: its port as check_port (env:// and the like pass)."""
+    head, _, tail = addr.rpartition(":")
+    if head and tail.lstrip("-").isdigit():
+        check_port(flag, int(tail), prog)

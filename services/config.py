@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from infra.defaults import DRAFT_Q_MASS, DRAFT_Q_WIDTH, HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS, MAX_MODEL_LEN
+from infra.ports import check_addr_port, check_port
 from models.config import QUANTIZATIONS
 from services.rendezvous import resolve
 from services.target.synthetic import parse_profile
@@ -148,6 +149,13 @@ class ServiceConfig:
         need(self.lane_spin_ms >= 0 or self.lane_spin_ms == -1, f"--lane-spin-ms must be >= 0 or -1 (auto), got "
                                                                   f"{self.lane_spin_ms}")
         need(self.max_draft_tokens >= 0 and self.max_logprobs >= 0, "--max-draft-tokens and --max-logprobs must be >= 0")
+        need(self.max_model_len >= 0, f"--max-model-len must be >= 0 (0: the model's own), got {self.max_model_len}")
+        need(self.device == "cpu" or self.device.split(":")[0] == "cuda", f"--device must be cpu, cuda or cuda:N, "
+             f"got {self.device!r}")
+        check_port("--grpc-port", self.port, f"tandem {self.role}", least=0)
+        check_addr_port("--bridge-addr", self.bridge_addr, f"tandem {self.role}")
+        if self.dist_addr:
+            check_addr_port("--dist-addr", self.dist_addr, f"tandem {self.role}")
         try:
             parse_profile(self.synthetic_acceptance)
         except ValueError as e:

@@ -22,9 +22,17 @@ def _generate(args) -> int:
     from models.runner import greedy_generate
     from models.tiny import default_model
     path = Path(args.model or default_model())
+    if not (path / "config.json").exists() or not (path / "tokenizer.json").exists():
+        raise SystemExit(f"tandem generate: --model {path}: not a checkpoint (config.json and tokenizer.json)")
+    if not args.prompt:
+        raise SystemExit("tandem generate: --prompt is empty")
     model = load_model(TargetModel, path, dtype=torch.float32, device=args.device)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     ids = tok.encode(args.prompt).ids
+    room = model.cfg.max_position_embeddings - len(ids)
+    if not 1 <= args.max_tokens <= room:
+        raise SystemExit(f"tandem generate: --max-tokens must be in 1..{room} (the prompt has {len(ids)} tokens of "
+                         f"the model's {model.cfg.max_position_embeddings}), got {args.max_tokens}")
     out = greedy_generate(model, ids, args.max_tokens)
     print(args.prompt + tok.decode(out))
     return 0
@@ -43,8 +51,22 @@ def _own_kernels() -> None:
                          "from an environment without it (pip uninstall kernels)")
 
 
+def _die_with_parent() -> None:
+    """Started by `tandem serve` (or a service's rank 0: the variable is inherited): SIGTERM when the process that
+    started this one dies, even killed with SIGKILL, so nothing is left holding the cluster's ports (Linux)."""
+    if os.environ.get("TANDEM_DIE_WITH_PARENT") != "1" or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)    # PR_SET_PDEATHSIG
+    if os.getppid() != parent:                                     # it died before the line above
+        raise SystemExit("tandem: the process that started this one has exited")
+
+
 def main(argv: list[str] | None = None) -> int:
     _own_kernels()
+    _die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     level = os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper()   # Tandem's own loggers (DEBUG: the adaptive
     if level in logging.getLevelNamesMapping():                  # policy's choice and outcome a round)
@@ -55,11 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("out_dir")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=_make_tiny)
-    s = sub.add_parser("generate", help="greedy generation in this process (no services)")
-    s.add_argument("--model")
-    s.add_argument("--prompt", default="def fibonacci(n):\n")
-    s.add_argument("--max-tokens", type=int, default=32)
-    s.add_argument("--device", default="cpu")
+    s = sub.add_parser("generate", help="greedy generation in this process (no services)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--model", help="checkpoint dir (default: the bundled model)")
+    s.add_argument("--prompt", default="def fibonacci(n):\n", help="text to continue")
+    s.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
+    s.add_argument("--device", default="cpu", help="cpu | cuda")
     s.set_defaults(fn=_generate)
     for name, module in (("serve", "tandem.serve"), ("target", "services.target.server"),
                          ("draft", "services.draft.server"), ("gateway", "gateway.server"),

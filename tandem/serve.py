@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from infra.defaults import (DRAFT_Q_MASS, HIDDEN_TRANSPORTS, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS,
                             NUM_SPECULATIVE_TOKENS, transport_misfit)
 from models.config import QUANTIZATIONS
+from models.presets import PRESETS
 from tandem.supervise import Supervisor
 
 
@@ -62,6 +63,11 @@ def add_gateway_flags(p) -> None:
                    "persistent gRPC stream per service, or as unary calls")
     p.add_argument("--no-busy-poll", dest="busy_poll", action="store_false", help="gateway: sleep while a round's "
                    "Verify or Propose is out (default: keep polling, one CPU busy while calls run)")
+    p.add_argument("--draft-timeout", type=float, default=10.0, help="gateway: seconds a Propose may take before "
+                   "the round goes on without drafts (a hung draft holds every stream this long once)")
+    p.add_argument("--rpc-timeout", type=float, default=60.0, help="gateway: seconds a Prefill or Verify may take")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="gateway: max_tokens of a gRPC or chat "
+                   "request that sets none")
 
 
 def parse(argv):
@@ -106,8 +112,8 @@ def parse(argv):
     p.add_argument("--max-restarts", type=int, default=5, help="restarts of a process that exits, within "
                    "10 minutes, before the cluster stops (0: stop when any exits)")
     add_gateway_flags(p)
-    p.add_argument("--random-config", default="", help="serve a random-weight preset (models/presets.py: v2-lite, "
-                   "v2-lite-yarn, v32-slice, tiny, tiny-v32) built on the device instead of --model; no tokenizer: send token ids")
+    p.add_argument("--random-config", default="", help="serve a random-weight preset (models/presets.py: "
+                   f"{', '.join(PRESETS)}) built on the device instead of --model; no tokenizer: send token ids")
     p.add_argument("--seed", type=int, default=0, help="seed of the --random-config weights")
     p.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs in target and draft")
     p.add_argument("--no-prefix-cache", action="store_true", help="prefix caching off in target and draft")
@@ -143,6 +149,26 @@ def parse(argv):
         parse_profile(a.synthetic_acceptance)          # refused here, not by a target restarted five times
     except ValueError as e:
         p.error(str(e))
+    return check(a)
+
+
+def check(a):
+    """What no service could run with, refused by name before any starts (a service refuses it only after
+    loading its model, and the supervisor would start it again) -> a."""
+    from gateway.config import parse as gateway_config
+    from infra.ports import check_port
+    for flag, port in (("--http-port", a.http_port), ("--grpc-port", a.grpc_port), ("--target-port", a.target_port),
+                       ("--draft-port", a.draft_port), ("--bridge-port", a.bridge_port),
+                       ("--dist-port", a.dist_port), ("--dist-port (+10, the draft's)", a.dist_port + 10)):
+        check_port(flag, port, "tandem serve")
+    for flag, n in (("--max-restarts", a.max_restarts), ("--max-model-len", a.max_model_len)):
+        if n < 0:
+            raise SystemExit(f"tandem serve: {flag} must be >= 0, got {n}")
+    for flag, dev in (("--device", a.device), ("--draft-device", a.draft_device or "cpu")):
+        if dev != "cpu" and dev.split(":")[0] != "cuda":
+            raise SystemExit(f"tandem serve: {flag} must be cpu, cuda or cuda:N, got {dev!r}")
+    gateway = next(cmd for name, cmd, _ in commands(a) if name == "gateway")
+    gateway_config(gateway[gateway.index("gateway") + 1:])     # its flags, validated as the gateway will
     return a
 
 
@@ -208,7 +234,9 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                   "--max-prompt-tokens", str(a.max_prompt_tokens),
                                   "--max-output-tokens", str(a.max_output_tokens),
                                   "--max-request-bytes", str(a.max_request_bytes),
-                                  "--max-waiting", str(a.max_waiting), "--service-calls", a.service_calls]
+                                  "--max-waiting", str(a.max_waiting), "--service-calls", a.service_calls,
+                                  "--draft-timeout", str(a.draft_timeout), "--rpc-timeout", str(a.rpc_timeout),
+                                  "--default-max-tokens", str(a.default_max_tokens)]
                                  + ([] if a.busy_poll else ["--no-busy-poll"])
                                  + ([] if a.overlap_rounds else ["--no-overlap-rounds"])
                                  + ([] if a.propose_ahead else ["--no-propose-ahead"])

@@ -39,6 +39,8 @@ def log(msg: str) -> None:
     print(f"tandem: {msg}", file=sys.stderr, flush=True)
 
 
+DIE_WITH_PARENT = "TANDEM_DIE_WITH_PARENT"     # a child started so ends when this supervisor dies, even by SIGKILL
+
 class HangProbe:
     """Checks one service's gRPC health every PROBE_INTERVAL_S on a thread of its own; `hung` says why
     once PROBE_MISSES checks in a row missed their deadline."""
@@ -73,7 +75,7 @@ class Supervisor:
         self.probes: dict[str, HangProbe] = {}
 
     def start(self, name: str) -> subprocess.Popen:
-        p = self.procs[name] = subprocess.Popen(self.commands[name], env=self.env)
+        p = self.procs[name] = subprocess.Popen(self.commands[name], env={**self.env, DIE_WITH_PARENT: "1"})
         log(f"started {name} (pid {p.pid})")
         if name in self.probes:
             self.probes[name].reset()

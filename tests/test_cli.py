@@ -73,3 +73,29 @@ def test_a_foreign_kernels_package_is_named(tmp_path):
                        env={"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"})
     assert r.returncode != 0 and "not Tandem's kernels/ package" in r.stderr, r.stderr
     assert str(tmp_path / "kernels" / "__init__.py") in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grpc-port", "-5"], "--grpc-port must be a TCP port in 1..65535, got -5"),
+    (["--bridge-port", "70000"], "--bridge-port must be a TCP port in 1..65535, got 70000"),
+    (["--dist-port", "65530"], "--dist-port (+10, the draft's) must be a TCP port in 1..65535, got 65540"),
+    (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),          # (was: the gateway spun at 100 % on a request)
+    (["--max-waiting", "-1"], "--max-waiting must be >= 0, got -1"),    # (was: every request refused)
+    (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+    (["--max-model-len", "-1"], "--max-model-len must be >= 0, got -1"),
+    (["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+    (["--model", "/nonexistent"], "no tokenizer.json there"),
+])
+def test_serve_refuses_what_no_service_runs_with_before_starting_any(args, message):
+    """Flags no service could run with are named before anything starts (found probing as an operator: some were
+    tracebacks after the model loaded, some were accepted and hung or refused every request, negative ports wrapped)."""
+    r = tandem("serve", *(["--random-config", "tiny"] if "--model" not in args else []), *args)
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_generate_refuses_bad_values_by_name(tmp_path):
+    for args, message in ((["--max-tokens", "-1"], "--max-tokens must be in 1.."), (["--prompt", ""], "--prompt is empty"),
+                          (["--model", str(tmp_path)], "not a checkpoint")):
+        r = tandem("generate", *args)
+        assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

@@ -330,8 +330,8 @@ def test_eos_and_length(gw, ref_model):
 
 # --- bad input ---------------------------------------------------------------------------------
 BAD = [
-    ("empty prompt", lambda: request([], 8), "prompt"),
-    ("empty text", lambda: request("", 8), "prompt"),
+    ("empty prompt", lambda: request([], 8), "token_ids: empty"),       # the field the request set
+    ("empty text", lambda: request("", 8), "text: empty"),
     ("token id out of range", lambda: request([5, VOCAB, 6], 8), "token_ids"),
     ("K above the gateway's", lambda: request([5, 6], 8, K + 1), "num_speculative_tokens"),
     ("temperature < 0", lambda: request([5, 6], 8, temperature=-0.5), "temperature"),

@@ -167,11 +167,18 @@ def test_rest_disconnect_before_a_whole_response_frees_kv_promptly(cluster):
     than leaving them to run to max_tokens for nobody."""
     url = cluster.gateways[0].http_url
     body = {"prompt": [5, 6, 8], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "n": 2}
-    before = metric(url, "tandem:generation_tokens")
+    before, aborted = metric(url, "tandem:generation_tokens"), aborts(url)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
     assert drained_within(cluster) < QUICK_S
     assert metric(url, "tandem:generation_tokens") - before < 2 * 4000 / 2, "the requests ran on after the client left"
+    assert aborts(url) == aborted + 2, "tandem:request_success_total{finished_reason=\"abort\"} did not count them"
+
+
+def aborts(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tandem:request_success_total{") and 'finished_reason="abort"' in line)
 
 
 def test_grpc_cancel_frees_kv_promptly(cluster):

@@ -60,6 +60,9 @@ BAD = [
      "guided_json", "not supported"),
     ("prompt of max_model_len scored", "/v1/completions", {"prompt": [5] * 2048, "max_tokens": 0, "echo": True,
                                                           "logprobs": 0}, 400, "prompt", "limit of 2047 prompt tokens"),
+    # refused before tokenizing (seconds of a core for megabytes, which had stalled every stream)
+    ("text longer than the limit can hold", "/v1/completions", {"prompt": "ab cd " * 200_000, "max_tokens": 1}, 400,
+     "prompt", "bytes of text are more than 2047 tokens"),
     # more generations than the queue ever holds: not a 429 (retrying cannot help)
     ("prompts over --max-waiting", "/v1/completions", {"prompt": [[5]] * 257, "max_tokens": 1}, 400, "prompt",
      "--max-waiting"),
@@ -155,6 +158,9 @@ def test_api_key(api_cluster):
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
         r = c.post("/v1/completions", json=OK, headers={"Authorization": f"Bearer {API_KEY}"})
         assert r.status_code == 200, r.text
+        for scheme in ("bearer", "BEARER"):                  # the scheme in any case (RFC 9110)
+            assert c.post("/v1/completions", json=OK, headers={"Authorization": f"{scheme} {API_KEY}"}).status_code == 200
+        assert c.post("/v1/completions", json=OK, headers={"Authorization": f"Basic {API_KEY}"}).status_code == 401
     bad = OpenAI(base_url=api_cluster.keyed_url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(AuthenticationError):
         bad.models.list()

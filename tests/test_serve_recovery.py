@@ -194,3 +194,20 @@ def test_draft_killed_under_serve_resumes_speculation(served):
     assert list(resp.token_ids) == want and resp.spec_stats.num_drafts > 0
     served.idle()
     assert "draft exited with code -9; restarting it" in served.log()
+
+
+def test_services_end_when_serve_is_killed(tmp_path):
+    """`tandem serve` killed by SIGKILL (no handler runs): its target, draft and gateway end too (they get SIGTERM
+    from the kernel when their parent dies) instead of running on, holding the cluster's ports (found probing as an
+    operator)."""
+    s = Served(make_checkpoint(tmp_path / "tiny", seed=9), tmp_path / "serve.log", tp=1)
+    try:
+        s.wait_healthy()
+        kids = children(s.proc.pid)
+        assert len(kids) == 3, [cmdline(k) for k in kids]
+        s.proc.kill()
+        s.proc.wait(timeout=10)
+        wait_until(lambda: not any(os.path.exists(f"/proc/{k}") and "Z" not in open(f"/proc/{k}/stat").read().split()[2]
+                                   for k in kids), 30, "the services to end with their parent")
+    finally:
+        s.stop()
