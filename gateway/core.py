@@ -85,17 +85,17 @@ class Gateway:
         self._token_bytes: int | None = None
 
     # --- tokens ----------------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt", prompt: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt", limit: bool = True) -> list[int]:
         """Token ids of `text`; a 400 / INVALID_ARGUMENT naming `param` when it is not valid Unicode (a JSON
-        string may carry a lone UTF-16 surrogate, "\\ud800", which no tokenizer takes), or when a `prompt` is
-        more bytes than the model's limit of tokens can cover, found without tokenizing it (seconds of a core for
+        string may carry a lone UTF-16 surrogate, "\\ud800", which no tokenizer takes), or (`limit`, a prompt) when it
+        is more bytes than the model's limit of tokens can cover, found without tokenizing it (seconds of a core for
         megabytes). Call it off the event loop (asyncio.to_thread: the tokenizer releases the GIL)."""
         try:
             n = len(text.encode("utf-8"))
         except UnicodeEncodeError as e:
             raise RequestError(param, f"{param}: holds an unpaired UTF-16 surrogate (U+{ord(text[e.start]):04X}) at "
                                       f"character {e.start}: not valid Unicode") from None
-        if prompt and n > self.prompt_limit and n > self.prompt_limit * self.token_bytes():
+        if limit and n > self.prompt_limit and n > self.prompt_limit * self.token_bytes():
             raise RequestError(param, f"{param}: {n} bytes of text are more than {self.prompt_limit - 1} tokens, "
                                       f"the model's limit of prompt tokens, can hold ({self.token_bytes()} bytes the "
                                       "longest token)")
