@@ -227,7 +227,7 @@ class TargetEngine:
             self.cache.seal(rid, r.tokens, r.num_tokens - 1)                      # name full committed blocks
             out_tokens.append(toks)
             spans.append((s0, s0 + a + 1))
-        rows = take_spans(hidden, spans) if pushed is None else pushed           # the committed rows, copied
+        rows = take_spans(hidden, spans) if pushed is None else pushed    # the committed rows (a copy), or all pushed
         lps = None if logprobs is None else [token_logprobs(logits[s:e], toks, n) if n is not None else []
                                              for (s, e), toks, n in zip(spans, out_tokens, logprobs)]
         return Verified(accepted, out_tokens, rows, lps, pushed is not None)

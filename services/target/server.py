@@ -89,10 +89,12 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             return describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_INLINE), None
         tid = next(self._transfer_ids)
 
-        def push():
-            with tracing.span("target.send_rows", rows=int(rows.shape[0]), transfer_id=tid):
-                self.channel.send(tid, rows)
-        return describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_BRIDGE, tid), push
+        desc = describe(rows, request_ids, rows_per_request, rows_pb2.TRANSPORT_BRIDGE, tid)
+        return desc, lambda: self._send(tid, rows)
+
+    def _send(self, tid: int, rows: torch.Tensor) -> None:
+        with tracing.span("target.send_rows", rows=int(rows.shape[0]), transfer_id=tid):
+            self.channel.send(tid, rows)
 
     def _push_verified(self, tid: int, hidden: torch.Tensor) -> torch.Tensor | None:
         """The engine's push_rows: a Verify's rows [sum(k + 1), D], every verified position's, on the bridge as soon
@@ -102,8 +104,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             return None
         rows = hidden.clone()                  # queued behind the forward: hidden may be a CUDA graph's output buffer
         try:                                   # (raising here, inside the engine call, would break a rank group)
-            with tracing.span("target.send_rows", rows=int(rows.shape[0]), transfer_id=tid):
-                self.channel.send(tid, rows)
+            self._send(tid, rows)
         except Exception as e:
             log.warning("hidden rows transfer %d was not pushed (%s: %s): the committed rows go after the Verify",
                         tid, type(e).__name__, e)
