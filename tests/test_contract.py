@@ -131,11 +131,11 @@ def drive(c, request_id: str, prompt: list[int], n: int, transport=INLINE, k=K) 
             v = verify(c, request_id, drafts, transport)
             a, new, rows = v.results[0].num_accepted, list(v.results[0].emitted_token_ids), v.hidden_rows
             assert len(new) == a + 1 and new[:a] == drafts[:a]
-            # inline: the committed tokens' rows; on the bridge every verified token's, pushed before the
-            # acceptance was known, of which the draft reads the committed ones
-            m = a + 1 if transport == INLINE else len(drafts) + 1
+            # the committed tokens' rows (over gloo they go after the acceptance; a ring pushes every verified
+            # token's before it: tests/test_propose_ahead.py)
+            m = a + 1
             assert (list(rows.rows_per_request), rows.num_rows, rows.transport) == ([m], m, transport)
-            assert list(rows.used_rows_per_request) == ([] if transport == INLINE else [a + 1])
+            assert not rows.used_rows_per_request
             tokens += new
             accepted += a
         return tokens[:n], accepted
@@ -286,10 +286,11 @@ def test_bridge_descriptor_disagrees(cluster, ref_model):
     assert_still_serves(cluster, ref_model, INLINE)
 
 
-def test_a_verifys_pushed_rows_are_read_as_declared(cluster, ref_model):
-    """A Verify's rows on the bridge are every verified token's (pushed before its acceptance); the descriptor's
-    used_rows_per_request says how many the draft reads: a count other than the committed tokens', over the request's
-    rows, or one per request missing is refused naming the field and both counts; the correct one then takes them."""
+def test_used_rows_per_request_is_checked_like_every_count(cluster, ref_model):
+    """HiddenRows.used_rows_per_request (of each request's rows the draft reads the first n: a ring pushes a Verify's
+    every verified row before its acceptance) is checked like the other counts: one other than the committed
+    tokens', over the request's rows, or one per request missing is refused naming the field and both counts; the
+    correct one then takes the rows."""
     T, r = 6, rid("used")
     try:
         pre = prefill(cluster, r, prompt_of(T, 8), BRIDGE)
@@ -297,15 +298,15 @@ def test_a_verifys_pushed_rows_are_read_as_declared(cluster, ref_model):
                               [pre.hidden_rows]).results[0].draft_token_ids)
         v = verify(cluster, r, drafts, BRIDGE)
         a, emitted, rows = v.results[0].num_accepted, list(v.results[0].emitted_token_ids), v.hidden_rows
-        assert list(rows.rows_per_request) == [K + 1] and list(rows.used_rows_per_request) == [a + 1]
-        wrong = a + 2 if a < K else a
-        refused(lambda: propose(cluster, r, emitted, T + 1, [with_rows(rows, used_rows_per_request=[wrong])]),
-                grpc.StatusCode.INVALID_ARGUMENT, repr(r), f"used_rows_per_request is {wrong}", f"expected {a + 1}")
-        refused(lambda: propose(cluster, r, emitted, T + 1, [with_rows(rows, used_rows_per_request=[K + 2])]),
-                grpc.StatusCode.INVALID_ARGUMENT, f"used_rows_per_request is {K + 2}", f"rows_per_request {K + 1}")
+        assert list(rows.rows_per_request) == [a + 1] and not rows.used_rows_per_request     # gloo: after
+        refused(lambda: propose(cluster, r, emitted, T + 1, [with_rows(rows, used_rows_per_request=[a])]),
+                grpc.StatusCode.INVALID_ARGUMENT, repr(r), f"used_rows_per_request is {a}", f"expected {a + 1}")
+        refused(lambda: propose(cluster, r, emitted, T + 1, [with_rows(rows, used_rows_per_request=[a + 2])]),
+                grpc.StatusCode.INVALID_ARGUMENT, f"used_rows_per_request is {a + 2}", f"rows_per_request {a + 1}")
         refused(lambda: propose(cluster, r, emitted, T + 1, [with_rows(rows, used_rows_per_request=[a + 1, 1])]),
                 grpc.StatusCode.INVALID_ARGUMENT, "used_rows_per_request has 2 entries for 1 requests")
-        assert len(propose(cluster, r, emitted, T + 1, [rows]).results[0].draft_token_ids) == K
+        ok = with_rows(rows, used_rows_per_request=[a + 1])
+        assert len(propose(cluster, r, emitted, T + 1, [ok]).results[0].draft_token_ids) == K
     finally:
         cluster.release([r])
     assert_still_serves(cluster, ref_model, BRIDGE)

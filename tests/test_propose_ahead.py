@@ -23,7 +23,7 @@ from gateway.scheduler import Scheduler
 from gateway.text import TextStream
 from infra.errors import ServiceError
 from services.draft import ahead as draft_ahead
-from tandem.v1 import draft_pb2, generate_pb2 as gen, target_pb2
+from tandem.v1 import draft_pb2, generate_pb2 as gen, rows_pb2, target_pb2
 from test_overlap_rounds import drive
 from test_scheduler_faults import NEXT, FakeDraft, FakeTarget, Letters, events, request, rpc_error, run
 
@@ -137,15 +137,38 @@ def test_requests_that_join_ride_the_push_and_change_no_output(request, transpor
 
 @pytest.mark.parametrize("transport", ["auto", "gloo"])
 def test_the_rows_a_verify_pushes_are_the_rows_sent_inline(request, transport):
-    """A Verify pushes every verified token's rows before its acceptance is known and the draft reads the committed
-    ones (HiddenRows.used_rows_per_request): the same drafts as rows sent inline, so the same acceptance, request
-    by request, greedy and seeded sampled."""
+    """On a ring (shared memory here) a Verify pushes every verified token's rows before its acceptance is known and
+    the draft reads the committed ones (HiddenRows.used_rows_per_request); over gloo the committed rows go after the
+    acceptance. Either way the same drafts as rows sent inline, so the same acceptance, request by request, greedy
+    and seeded sampled."""
     cluster = request.getfixturevalue("cluster" if transport == "auto" else "gloo_cluster")
     ahead, inline = (next(g for g in cluster.gateways if g.name == n) for n in ("ahead", "inline"))
     for sampled in (False, True):
         got = outputs(ahead, sampled)
         assert got == outputs(inline, sampled) and sum(a for _, _, a in got) > 0
         assert sum(d - a for _, d, a in got) > 0, "no draft was rejected: the rows after the committed went unused"
+
+
+@pytest.mark.slow
+def test_on_a_ring_a_verify_pushes_every_verified_row_and_declares_the_committed(cluster):
+    """Raw calls over the shared-memory ring: a Verify's rows are every verified token's (k + 1, on the ring before
+    its acceptance was known) and used_rows_per_request names the committed ones (a + 1), which the draft takes."""
+    bridge, r, prompt = rows_pb2.TRANSPORT_BRIDGE, "ring-used-1", [5 + i % 50 for i in range(9)]
+    try:
+        pre = cluster.target.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
+            request_id=r, prompt_token_ids=prompt)], return_hidden_rows=True, transport=bridge), timeout=30)
+        new, rows, position = prompt + list(pre.first_token_ids), pre.hidden_rows, 0
+        for _ in range(3):
+            item = draft_pb2.ProposeItem(request_id=r, new_token_ids=new, num_draft_tokens=K, position=position)
+            drafts = cluster.draft.Propose(draft_pb2.ProposeRequest(items=[item], hidden_rows=[rows]),
+                                           timeout=30).results[0].draft_token_ids
+            position += len(new)
+            v = cluster.target.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+                request_id=r, draft_token_ids=drafts)], return_hidden_rows=True, transport=bridge), timeout=30)
+            a, new, rows = v.results[0].num_accepted, list(v.results[0].emitted_token_ids), v.hidden_rows
+            assert (list(rows.rows_per_request), list(rows.used_rows_per_request)) == ([K + 1], [a + 1])
+    finally:
+        cluster.release([r])
 
 
 @pytest.mark.slow

@@ -67,6 +67,12 @@ class RowChannel(Generations):
         return not isinstance(ring, RINGS_SENT) or ring.fits(rows.numel() * rows.element_size())
 
     @property
+    def ring(self) -> bool:
+        """Whether the agreed transport is a ring (CUDA IPC, shared memory): a send is a copy into a slot, queued
+        on the stream; the target pushes a Verify's rows before its acceptance only there (server.py)."""
+        return self._link is not None and isinstance(self._link.ipc, RINGS_SENT)
+
+    @property
     def pushes(self) -> bool:
         """Whether a transport is connected: every one pushes, so the target may send the next round's Propose
         before the rows it names (the draft's take waits for them)."""

@@ -98,9 +98,11 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
 
     def _push_verified(self, tid: int, hidden: torch.Tensor) -> torch.Tensor | None:
         """The engine's push_rows: a Verify's rows [sum(k + 1), D], every verified position's, on the bridge as soon
-        as its forward is queued -> the copy sent, or None (the bridge is down, or they exceed an IPC slot: the
-        committed rows go as before)."""
-        if not (self.channel is not None and self.channel.ready and self.channel.pushes and self.channel.fits(hidden)):
+        as its forward is queued -> the copy sent, or None (the bridge is down, not a ring, or they exceed an IPC
+        slot: the committed rows go after the acceptance, as before). Rings only: on one H100 it measured neutral
+        (BENCHMARKS.md, thirty-seventh session), and over NCCL it would post the draft's receive a forward before the
+        send can run, which no two-GPU run has checked."""
+        if not (self.channel is not None and self.channel.ready and self.channel.ring and self.channel.fits(hidden)):
             return None
         rows = hidden.clone()                  # queued behind the forward: hidden may be a CUDA graph's output buffer
         try:                                   # (raising here, inside the engine call, would break a rank group)
