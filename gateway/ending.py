@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from gateway.stubs import DraftStub, TargetStub
 
 log = logging.getLogger("tandem.gateway")
+RELEASE_RETRY_S = (1.0, 4.0, 15.0, 60.0)    # waits before a failed Release is sent again
 
 
 class Ending:
@@ -76,7 +77,14 @@ class Ending:
             self._finish(r, None)
 
     async def _release(self, stub: TargetStub | DraftStub, ids: list[str]) -> None:
-        try:
-            await stub.Release(common_pb2.ReleaseRequest(request_ids=ids), timeout=10)
-        except grpc.aio.AioRpcError as e:
-            log.warning("Release of %s failed: %s", ids, e.code().name)
+        """Free ids on a service, tried again while it does not answer (a Release lost left a request and its KV
+        blocks held there for good); a service restarted meanwhile holds none of them anyway."""
+        for wait_s in (*RELEASE_RETRY_S, None):
+            try:
+                await stub.Release(common_pb2.ReleaseRequest(request_ids=ids), timeout=10)
+                return
+            except grpc.aio.AioRpcError as e:
+                if wait_s is None or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    log.warning("Release of %s failed: %s", ids, e.code().name)
+                    return
+            await asyncio.sleep(wait_s)

@@ -23,6 +23,15 @@ from gateway.scheduler import Event, GenRequest
 from infra import tracing
 
 
+# Characters that line splitters other than SSE's (str.splitlines: httpx's iter_lines) take for line breaks
+LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
+
+
+def sse_json(obj) -> str:
+    """An event's JSON on one line for any client: UTF-8 as is, but U+2028, U+2029 and U+0085 escaped."""
+    return json.dumps(obj, ensure_ascii=False).translate(LINE_BREAKS)
+
+
 @dataclass
 class Choice:
     index: int
@@ -144,7 +153,7 @@ class CompletionShaper:
         obj = self._envelope(choices, chunk=True)
         if self.include_usage:
             obj["usage"] = None
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        return f"data: {sse_json(obj)}\n\n"
 
     async def sse(self, span):
         queue: asyncio.Queue = asyncio.Queue()

@@ -82,7 +82,9 @@ class TextStream:
         if hits:
             at, self.matched = min(hits, key=lambda h: h[0])
             return self._emit(text[:at]), True
-        safe = max(0, len(text) - self.hold)   # (a text shorter than the hold emits nothing yet)
+        # the hold counts characters: an unfinished UTF-8 sequence's placeholder at the end is none yet (counted,
+        # it let a character that starts a multi-byte stop string out: stop "ü ü" emitted "ü")
+        safe = max(0, len(text.rstrip("\ufffd")) - self.hold)  # (a text shorter than the hold emits nothing yet)
         if safe > self.sent:                   # not up to an unfinished UTF-8 sequence (nor a run of junk bytes)
             safe = max(self.sent, len(text[:safe].rstrip("\ufffd")))
         return self._emit(text[:safe]), False

@@ -3,6 +3,7 @@ the hello their bridge exchanges."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent import futures
 
@@ -54,19 +55,76 @@ def answer(method: str, one, request, context, received: float):
 STREAM_THREADS = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="stream")
 
 
+class EngineLock:
+    """One step at a time: the engine owns the cache. A Release that finds a step running is not waited for: its
+    ids are released as that step lets go of the engine. (Waiting, Releases held the server's few workers behind a
+    long forward, so GetInfo starved and health said the target was unreachable, and those past their deadline were
+    dropped: the requests and their KV blocks stayed held for good.)"""
+
+    def __init__(self, release):
+        self._lock, self._mu = threading.Lock(), threading.Lock()
+        self._release, self._deferred = release, []      # release(ids) -> how many were held; runs under the lock
+
+    def __enter__(self):
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._drain()
+        finally:
+            self._lock.release()
+            self._settle()
+
+    def release(self, ids: list[str]) -> tuple[int, int]:
+        """-> (released now, deferred to the end of the step running)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                return self._release(ids), 0
+            finally:
+                self._lock.release()
+                self._settle()
+        with self._mu:
+            self._deferred += ids
+        self._settle()                        # the step may have ended between the try and the append
+        return 0, len(ids)
+
+    def _settle(self) -> None:
+        """Deferred ids left after the lock was let go (appended while its holder drained): released now, unless
+        another holder has the lock (it drains them as it lets go)."""
+        while self._deferred and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        while True:
+            with self._mu:
+                ids, self._deferred = self._deferred, []
+            if not ids:
+                return
+            try:
+                self._release(ids)
+            except ServiceError as e:         # the rank group broke: the service is exiting to be restarted
+                log.warning("deferred Release of %d requests failed: %s", len(ids), e)
+
+
 class ServicerBase:
-    """Release and GetInfo, answered alike by the target and the draft. A subclass sets cfg, group,
-    engine and lock, and says how many requests it is running."""
+    """Release and GetInfo, answered alike by the target and the draft. A subclass sets cfg, group and engine,
+    and lock = EngineLock(self.release_now), and says how many requests it is running."""
     lane_server: LaneServer | None = None     # its local lane, once open_lane ran
 
     def running(self) -> int:
         raise NotImplementedError
 
+    def release_now(self, ids: list[str]) -> int:
+        return self.group.call(type(self.engine).release, ids)
+
     def Release(self, request, context):
         try:
-            with self.lock:
-                return common_pb2.ReleaseResponse(released=self.group.call(type(self.engine).release,
-                                                                           list(request.request_ids)))
+            released, deferred = self.lock.release(list(request.request_ids))
+            return common_pb2.ReleaseResponse(released=released, deferred=deferred)
         except ServiceError as e:             # the rank group broke: UNAVAILABLE, not a traceback
             grpc_server.abort(context, e.code, str(e))
 

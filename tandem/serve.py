@@ -277,4 +277,4 @@ def main(argv=None) -> int:
             time.sleep(0.2)
     finally:
         sup.stop()
-    return 0
+    return 0 if stopping else 1          # given up on a process past --max-restarts: a failure to its supervisor

@@ -3,6 +3,8 @@ the shared local cluster (api_cluster.py): completions, chat, both streaming, n 
 checked against the model computed in this process, and the tokenizer endpoints."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -220,6 +222,17 @@ def test_stream_disconnect_releases_state(api_cluster, http):
         assert next(line for line in lines if line.startswith("data: "))
     api_cluster.cluster.wait_drained(timeout_s=30)
     assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_stream_events_survive_clients_that_split_lines_like_python(http):
+    """U+2028, U+2029 and U+0085 are line breaks to str.splitlines (httpx's iter_lines): sent raw inside an event's
+    JSON they cut it into pieces that are not JSON (found probing as a user); escaped, every line parses."""
+    prompt = "s = \"a\u2028b\u2029c\u0085d\"\n"
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events)
+    assert text.startswith(prompt), text
 
 
 def test_default_chat_template():

@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from gateway import availability
+from gateway import availability, ending
 from gateway.availability import Availability
 from gateway.core import GenerationError, QueueFull
 from gateway.request import Observer
@@ -288,6 +288,31 @@ def test_deadlines_bound_the_calls_and_expire_requests():
         released = [list(c[1].request_ids) for c in target.calls if c[0] == "Release"]
         verify = [c[1] for c in target.calls if c[0] == "Verify"][-1]
         assert [a.id] in released and [it.request_id for it in verify.items] == [b.id]
+    run(main())
+
+
+def test_a_release_that_fails_is_sent_again(monkeypatch):
+    """A Release lost to a target that did not answer (UNAVAILABLE, DEADLINE_EXCEEDED) left the request and its KV
+    blocks held there for good (found probing as a user): the gateway sends it again; another status ends it."""
+    monkeypatch.setattr(ending, "RELEASE_RETRY_S", (0.01, 0.01, 0.01))
+
+    class Flaky(FakeTarget):
+        def __init__(self, codes):
+            super().__init__()
+            self.codes = list(codes)
+
+        async def Release(self, req, timeout=None):
+            await self._call("Release", req, timeout)
+            if self.codes:
+                raise rpc_error(self.codes.pop(0))
+            return common_pb2.ReleaseResponse(released=1)
+
+    async def main():
+        for codes, sent in [([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED], 3),
+                            ([grpc.StatusCode.UNAVAILABLE] * 9, 4), ([grpc.StatusCode.INVALID_ARGUMENT], 1)]:
+            target = Flaky(codes)
+            await Scheduler(target, FakeDraft(), {2})._release(target, ["gone"])
+            assert [c[0] for c in target.calls] == ["Release"] * sent, (codes, target.calls)
     run(main())
 
 

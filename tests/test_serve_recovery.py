@@ -35,7 +35,7 @@ PROMPT = [21, 22, 23, 24]
 class Served:
     """One `tandem serve` process tree on free ports, its combined log in a file."""
 
-    def __init__(self, model, log_path, tp: int = 2):
+    def __init__(self, model, log_path, tp: int = 2, args: tuple = ()):
         ports = free_ports(6)
         self.grpc_port, self.http_port, tport, dport, bport, dist = ports
         self.url = f"http://127.0.0.1:{self.http_port}"
@@ -43,7 +43,7 @@ class Served:
         cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(model), "-k", "3", "--tp", str(tp),
                "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port), "--target-port", str(tport),
                "--draft-port", str(dport), "--bridge-port", str(bport), "--dist-port", str(dist), "--num-blocks", "512",
-               "--speculation", "fixed"]
+               "--speculation", "fixed", *args]
         with open(log_path, "wb") as f:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
@@ -209,5 +209,18 @@ def test_services_end_when_serve_is_killed(tmp_path):
         s.proc.wait(timeout=10)
         wait_until(lambda: not any(os.path.exists(f"/proc/{k}") and "Z" not in open(f"/proc/{k}/stat").read().split()[2]
                                    for k in kids), 30, "the services to end with their parent")
+    finally:
+        s.stop()
+
+
+def test_serve_exits_non_zero_when_it_gives_up_on_a_process(tmp_path):
+    """Past --max-restarts `tandem serve` stops the cluster and exits 1, so that its own supervisor (systemd,
+    Docker's restart on failure) sees a failure; it exited 0 (found probing as an operator). Ctrl-C stays 0."""
+    s = Served(make_checkpoint(tmp_path / "tiny", seed=9), tmp_path / "serve.log", tp=1, args=("--max-restarts", "0"))
+    try:
+        s.wait_healthy()
+        os.kill(s.pid("draft"), signal.SIGKILL)
+        assert s.proc.wait(timeout=60) == 1, s.log()[-2000:]
+        assert "--max-restarts 0" in s.log()
     finally:
         s.stop()

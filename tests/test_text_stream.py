@@ -23,7 +23,7 @@ def reference(tokenizer, ids: list[int], stop: list[str]) -> tuple[list[str], bo
     for n in range(1, len(ids) + 1):
         text = tokenizer.decode(ids[:n])
         hits = [i for i in (text.find(s, max(0, sent - hold)) for s in stop) if i >= 0]
-        end = min(hits) if hits else max(0, len(text) - hold)
+        end = min(hits) if hits else max(0, len(text.rstrip("\ufffd")) - hold)   # a placeholder is no character yet
         while not hits and end > sent and text[end - 1] == "\ufffd":
             end -= 1
         out.append(text[sent:end])
@@ -59,6 +59,16 @@ def test_incremental_text_equals_whole_decodes(kind):
     for i, ids in enumerate(cases):
         stop = [[], ["\n"], ["return", "😀"], ["zz", "  "], ["é"]][i % 5]
         assert stream(tok, ids, stop) == reference(tok, ids, stop), (i, ids, stop)
+
+
+def test_a_stop_string_of_multi_byte_characters_lets_none_of_itself_out():
+    """The hold-back counts characters, and an unfinished character's placeholder is none yet: stop "ü ü" let the
+    first "ü" out (found probing as a user), as did any stop string of characters the tokenizer splits."""
+    tok = Tokenizer.from_file(str(default_model() / "tokenizer.json"))
+    for text, stop, before in [("ü ü ü ü", "ü ü", ""), ("x ü ü ü", " ü ü ü", "x"), ("😀😀😀😀", "😀😀😀", ""),
+                               ("日トトトト", "トトト", "日")]:
+        out, stopped, _ = stream(tok, tok.encode(text).ids, [stop])
+        assert stopped and "".join(out) == before, (text, stop, out)
 
 
 def test_a_token_costs_a_short_decode_not_the_whole_output():

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import torch
@@ -13,7 +12,7 @@ from services.bridge.rows import check, check_finite, check_payload, decode_inli
 from services.config import ServiceConfig
 from services.launch import run_service
 from services.ranks import RankGroup
-from services.servicer import STREAM_THREADS, ServicerBase
+from services.servicer import STREAM_THREADS, EngineLock, ServicerBase
 from services.draft.ahead import AheadStore, Joins
 from services.draft.engine import DraftEngine, ProposeItem
 from services.sampling import Sampling, TopQ
@@ -28,7 +27,7 @@ AHEAD_WAIT_S = 60.0        # a collect without a deadline (a local lane's) waits
 class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, cfg: ServiceConfig, group: RankGroup, channel: RowChannel | None):
         self.cfg, self.group, self.engine, self.channel = cfg, group, group.engine, channel
-        self.lock = threading.Lock()
+        self.lock = EngineLock(self.release_now)
         self.ahead = AheadStore()                 # Proposes the target pushed a round ahead (ahead.py)
         self.joins = Joins()                      # ... and the joining requests' Proposes riding them
         self.hidden_size = group.engine.model.cfg.hidden_size

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 
 import grpc
@@ -16,7 +15,7 @@ from services.bridge.rows import describe
 from services.config import ServiceConfig
 from services.launch import run_service
 from services.ranks import RankGroup
-from services.servicer import STREAM_THREADS, ServicerBase
+from services.servicer import STREAM_THREADS, EngineLock, ServicerBase
 from services.sampling import Sampling, TopQ
 from services.target.synthetic import parse_profile
 from services.target import ahead
@@ -58,7 +57,7 @@ def _draft_q(it: target_pb2.VerifyItem, V: int):
 class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
     def __init__(self, cfg: ServiceConfig, group: RankGroup, channel: RowChannel | None):
         self.cfg, self.group, self.engine, self.channel = cfg, group, group.engine, channel
-        self.lock = threading.Lock()          # one step at a time: the engine owns the cache
+        self.lock = EngineLock(self.release_now)          # one step at a time: the engine owns the cache
         self._transfer_ids = itertools.count(1)
         self.ahead = ahead.AheadSender()      # next rounds' Proposes, pushed to the draft (ahead.py)
         self.engine.push_rows = self._push_verified
