@@ -44,6 +44,7 @@ class Availability:
         self.draft_failures = 0                 # times speculation became degraded
         self.resynced = 0                       # requests whose draft cache was rebuilt
         self.rejected: Counter = Counter()      # refused at admission, by reason
+        self.on_target: list = []               # f(up: bool) on each change (the gateway's gRPC health mirrors it)
 
     # --- draft ----------------------------------------------------------------------------------
     def draft_failed(self, reason: str) -> None:
@@ -80,12 +81,17 @@ class Availability:
     def target_failed(self, reason: str) -> None:
         if self.target_down is None:
             log.error("target unavailable: %s; refusing new requests until it answers again", reason)
+            self.target_down = reason
+            for f in self.on_target:
+                f(False)
         self.target_down = reason
 
     def target_answers(self) -> None:
         if self.target_down is not None:
             log.info("target answers again: accepting requests")
             self.target_down = None
+            for f in self.on_target:
+                f(True)
 
     # --- admission ------------------------------------------------------------------------------
     def admit(self, n: int, waiting: int) -> tuple[grpc.StatusCode, str] | None:

@@ -141,8 +141,12 @@ async def serve(cfg: GatewayConfig) -> None:
     http_task = asyncio.ensure_future(http.serve())
     stats_task = (asyncio.ensure_future(metrics.log_periodically(cfg.stats_interval_s))
                   if cfg.stats_interval_s > 0 else None)
-    for name in ("", "tandem.v1.GenerateService"):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    def mirror(up: bool) -> None:             # gRPC health says what /health says of the target (a draft lost: SERVING)
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", "tandem.v1.GenerateService"):
+            asyncio.ensure_future(health.set(name, status))
+    scheduler.avail.on_target.append(mirror)
+    mirror(scheduler.avail.target_down is None)
     log.info("gateway serving gRPC on %s:%d and HTTP on %s://%s:%d (model %r, K=%d %s, %s, API key %s)", cfg.host,
              port, "https" if cfg.tls.cert else "http", cfg.host, http_port, cfg.model_name, cfg.num_speculative_tokens,
              cfg.speculation,

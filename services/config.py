@@ -51,6 +51,9 @@ FLAG_HELP = {
     "threads": "torch CPU threads. On a CPU the row count from which a GEMM gives each row its own bits is probed "
                "at this count (kernels/rows.cpu_gemm_rows: 4 on one thread, 16 on two on this project's CPU); "
                "where none holds it warns, and greedy K > 0 may part from K = 0 at a near-tie",
+    "request_idle_s": "target: release a request that no Prefill or Verify named for this many seconds (its gateway "
+                      "crashed, or its Release was lost: its KV blocks were held for good). A running request is "
+                      "named every round. 0: never",
     "lane_spin_ms": "the local lane's reader polls without sleeping this long after each call before it blocks, so the "
                     "next round's call finds it awake (one CPU busy meanwhile). -1: 50 on CUDA, 0 on CPU (its cores "
                     "compute)",
@@ -71,6 +74,7 @@ class ServiceConfig:
     block_size: int = 16
     max_model_len: int = MAX_MODEL_LEN   # 0: the model's own (launch.context_limit caps it by model and cache)
     threads: int = 1                 # torch CPU threads when serving, on any device (a local cluster stays calm)
+    request_idle_s: float = 600.0    # target: a request no Prefill or Verify named this long is released (0: never)
     bridge_timeout_s: float = 10.0   # draft: how long Propose waits for a bridge frame
     bridge_ipc_mib: int = 256        # target: CUDA IPC ring of 8 slots (a slot: the largest transfer; larger go inline)
     tp: int = 1                      # tensor-parallel ranks (processes)
@@ -146,6 +150,7 @@ class ServiceConfig:
         need(self.tp == 1 or ":" in self.dist_addr, f"--dist-addr must be host:port or env://, got {self.dist_addr!r}")
         need(self.max_message_bytes >= 1 << 16, f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
         need(0 < self.draft_q_mass <= 1, f"--draft-q-mass must be in (0, 1], got {self.draft_q_mass}")
+        need(self.request_idle_s >= 0, f"--request-idle-s must be >= 0 (0: never), got {self.request_idle_s}")
         need(self.lane_spin_ms >= 0 or self.lane_spin_ms == -1, f"--lane-spin-ms must be >= 0 or -1 (auto), got "
                                                                   f"{self.lane_spin_ms}")
         need(self.max_draft_tokens >= 0 and self.max_logprobs >= 0, "--max-draft-tokens and --max-logprobs must be >= 0")

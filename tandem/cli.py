@@ -26,6 +26,11 @@ def _generate(args) -> int:
         raise SystemExit(f"tandem generate: --model {path}: not a checkpoint (config.json and tokenizer.json)")
     if not args.prompt:
         raise SystemExit("tandem generate: --prompt is empty")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"tandem generate: --device {args.device}: this machine's torch sees no CUDA device")
+    if args.threads < 1:
+        raise SystemExit(f"tandem generate: --threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)           # torch's default (every core) crawls on a busy small machine
     model = load_model(TargetModel, path, dtype=torch.float32, device=args.device)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     ids = tok.encode(args.prompt).ids
@@ -82,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", help="checkpoint dir (default: the bundled model)")
     s.add_argument("--prompt", default="def fibonacci(n):\n", help="text to continue")
     s.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
-    s.add_argument("--device", default="cpu", help="cpu | cuda")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
+    s.add_argument("--threads", type=int, default=1, help="torch CPU threads (as the services)")
     s.set_defaults(fn=_generate)
     for name, module in (("serve", "tandem.serve"), ("target", "services.target.server"),
                          ("draft", "services.draft.server"), ("gateway", "gateway.server"),

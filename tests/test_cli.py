@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cluster import REPO
 
@@ -96,6 +97,8 @@ def test_serve_refuses_what_no_service_runs_with_before_starting_any(args, messa
 
 def test_generate_refuses_bad_values_by_name(tmp_path):
     for args, message in ((["--max-tokens", "-1"], "--max-tokens must be in 1.."), (["--prompt", ""], "--prompt is empty"),
-                          (["--model", str(tmp_path)], "not a checkpoint")):
+                          (["--model", str(tmp_path)], "not a checkpoint"), (["--device", "tpu"], "invalid choice"),
+                          (["--threads", "0"], "--threads must be >= 1"),
+                          *([(["--device", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else [])):
         r = tandem("generate", *args)
         assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

@@ -20,6 +20,7 @@ import time
 
 import grpc
 import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
 from cluster import REPO, free_ports, make_checkpoint, stop_serve
@@ -146,6 +147,12 @@ def grpc_stream(stub, out: list, started: threading.Event) -> None:
         out.append((time.monotonic(), e.code(), e.details()))
 
 
+def grpc_health(served, service: str = "tandem.v1.GenerateService"):
+    """The gateway's gRPC health status of `service` (it mirrors REST /health's view of the target)."""
+    stub = health_pb2_grpc.HealthStub(served.channels[0])
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+
 @pytest.mark.parametrize("rank", [1, 0])
 def test_target_rank_killed_fails_fast_then_recovers(served, rank):
     want = greedy(served.stub)
@@ -174,9 +181,11 @@ def test_target_rank_killed_fails_fast_then_recovers(served, rank):
         greedy(served.stub)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert health(served.url)[0] == 503
+    assert grpc_health(served) == health_pb2.HealthCheckResponse.NOT_SERVING    # gRPC health says so too
 
     served.wait_healthy(120)                                     # tandem serve restarted it; same gateway
     assert greedy(served.stub) == want
+    assert grpc_health(served) == health_pb2.HealthCheckResponse.SERVING
     served.idle()
     exit_code = 75 if rank else -9                               # 75: a rank 0 whose group broke exits
     assert f"target exited with code {exit_code}; restarting it" in served.log()

@@ -6,6 +6,7 @@ the device, keyed, so a seeded request ignores its batch-mates). Tokens are comm
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,6 +65,7 @@ class TargetEngine:
         self.vocab_size = model.cfg.vocab_size
         self.requests: dict[str, _Request] = {}
         self.partial: dict[str, tuple[int, int]] = {}    # prefilling in chunks: (positions computed, prompt length)
+        self.named: dict[str, float] = {}    # request id -> when a Prefill or Verify last named it (idle())
 
     def _check_tokens(self, rid: str, field: str, ids: list[int]) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -89,6 +91,7 @@ class TargetEngine:
         """Check the items and start their caches (prefix hits) -> the positions each computes now."""
         scored = [bool(w[1]) for w in logprobs] if logprobs else [False] * len(items)
         plan.check_items(self, items, scored)
+        self.named.update(dict.fromkeys([rid for rid, _, _ in items], time.monotonic()))
         new = [rid for rid, _, _ in items if rid not in self.partial]
         try:
             spans = plan.spans(self, items, scored, budgets or [0] * len(items))
@@ -166,6 +169,7 @@ class TargetEngine:
 
     def _verify_begin(self, items):
         """Check a Verify's items -> (their requests, the tokens each computes: the pending one and the drafts)."""
+        self.named.update(dict.fromkeys([rid for rid, _, _ in items if rid in self.requests], time.monotonic()))
         for rid, drafts, q in items:
             if rid not in self.requests:
                 raise ServiceError("FAILED_PRECONDITION", f"request {rid!r} is not running on the target "
@@ -259,9 +263,18 @@ class TargetEngine:
             for sid in scratch:
                 self.cache.release(sid)
 
+    def idle(self, seconds: float) -> list[str]:
+        """The requests held that no Prefill or Verify named for `seconds`: their gateway is gone (it crashed, or its
+        Release was lost), and nothing else would free their KV blocks."""
+        since = time.monotonic() - seconds
+        for rid in [rid for rid in self.named if rid not in self.requests and rid not in self.partial]:
+            del self.named[rid]                     # a prefill that failed, or a request ended here
+        return [rid for rid, t in self.named.items() if t < since]
+
     def release(self, ids: list[str]) -> int:
         n = 0
         for rid in ids:
+            self.named.pop(rid, None)
             n += (self.requests.pop(rid, None) or self.partial.pop(rid, None)) is not None
             self.cache.release(rid)
         return n

@@ -57,7 +57,8 @@ def _draft_q(it: target_pb2.VerifyItem, V: int):
 class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
     def __init__(self, cfg: ServiceConfig, group: RankGroup, channel: RowChannel | None):
         self.cfg, self.group, self.engine, self.channel = cfg, group, group.engine, channel
-        self.lock = EngineLock(self.release_now)          # one step at a time: the engine owns the cache
+        self.lock = EngineLock(self.release_now)
+        self._idle_check_at = 0.0             # next look for requests no call names any more (_release_idle)          # one step at a time: the engine owns the cache
         self._transfer_ids = itertools.count(1)
         self.ahead = ahead.AheadSender()      # next rounds' Proposes, pushed to the draft (ahead.py)
         self.engine.push_rows = self._push_verified
@@ -116,9 +117,22 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
         try:
             with self.lock:
                 grpc_server.time_left(context)       # expired while waiting for the lock: do nothing
+                self._release_idle()
                 return fn()
         except ServiceError as e:
             grpc_server.abort(context, e.code, str(e))
+
+    def _release_idle(self) -> None:
+        """Release what no call named for --request-idle-s (looked at every quarter of it, at most every minute): the
+        requests of a gateway that crashed, or whose Release was lost, held their KV blocks for good."""
+        now, idle_s = time.monotonic(), self.cfg.request_idle_s
+        if idle_s <= 0 or now < self._idle_check_at:
+            return
+        self._idle_check_at = now + min(60.0, idle_s / 4)
+        if ids := self.engine.idle(idle_s):
+            log.warning("releasing %d requests no call named for %.0f s (their gateway is gone?): %s", len(ids),
+                        idle_s, ids[:4])
+            self.release_now(ids)
 
     def _limits(self, it, drafts: int = 0) -> None:
         """Per item, before any work: the configured caps on top-n logprobs and drafts per request."""
