@@ -35,8 +35,13 @@ log = logging.getLogger("tandem.gateway")
 
 async def wait_ready(channel: grpc.aio.Channel, name: str, timeout_s: float) -> None:
     stub = health_pb2_grpc.HealthStub(channel)
-    deadline = asyncio.get_running_loop().time() + timeout_s
+    start = asyncio.get_running_loop().time()
+    deadline, said = start + timeout_s, start
     while True:
+        if (now := asyncio.get_running_loop().time()) - said >= 10:      # a gateway that waits says so
+            said = now
+            log.info("waiting for the %s to serve (%.0f s of %.0f; this gateway listens once it does)", name,
+                     now - start, timeout_s)
         try:
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
             if resp.status == health_pb2.HealthCheckResponse.SERVING:
