@@ -13,6 +13,7 @@ DEFAULT_CHAT_TEMPLATE: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import grpc
@@ -21,6 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gateway.core import RequestError
+from gateway.openai_logprobs import chat_logprobs, completion_logprobs  # noqa: F401  (their home before)
 from gateway.stubs import ROW_CONTRACT
 
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -31,7 +33,9 @@ GRPC_TO_HTTP = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITI
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: a JSON value of the wrong type is a 400, not coerced ("logprobs": false was top-0 logprobs,
+    # "max_tokens": "10" or true a number, "stream": "yes" a stream); a float field takes any JSON number
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Model):
@@ -88,16 +92,35 @@ class DetokenizeRequest(_Model):
 
 
 def parse(cls, body: Any):
-    """JSON body -> cls; RequestError naming the first bad field."""
+    """JSON body -> cls; RequestError naming the first bad field, what it takes and what it got. Of a union's
+    errors (prompt: text, ids, ...), the deepest: [1, true] is "prompt.1: ... a valid integer (got true, a boolean)"."""
     if not isinstance(body, dict):
         raise RequestError(None, f"the request body must be a JSON object, got {type(body).__name__}")
     try:
         return cls.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("str", "list[", "dict[", "int")))
-        field = field or str(err["loc"][0])
-        raise RequestError(field, f"{field}: {err['msg']} (got {json.dumps(err.get('input'), default=str)[:80]})")
+        errs = e.errors()
+        err = max((x for x in errs if x["loc"][:1] == errs[0]["loc"][:1]), key=lambda x: len(x["loc"]))
+        field = ".".join(str(x) for x in err["loc"] if not UNION_TAG.fullmatch(str(x)))  # (not a prefix test)
+        if err["type"] == "missing":
+            raise RequestError(field, f"{field}: {err['msg']}") from None
+        got = err.get("input")
+        kind = "" if got is None else f", {JSON_TYPES.get(type(got), type(got).__name__)}"
+        raise RequestError(field, f"{field}: {err['msg']} (got {json.dumps(got, default=str)[:80]}{kind})") from None
+
+
+UNION_TAG = re.compile(r"str|int|float|bool|[\w-]+\[.*\]")       # a union member's name in an error's loc
+JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+              dict: "an object"}
+
+
+def check_unicode(text: str, param: str, what: str = "") -> None:
+    """A 400 naming `param` when `text` holds a lone UTF-16 surrogate (valid JSON, not valid Unicode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(param, f"{param}: {what}holds an unpaired UTF-16 surrogate (U+{ord(text[e.start]):04X}) "
+                                  f"at character {e.start}: not valid Unicode") from None
 
 
 # OpenAI / vLLM parameters this server does not implement -> the values that ask for nothing (what it does anyway)
@@ -133,10 +156,16 @@ def sampling_args(req: _Sampling, max_tokens: int | None) -> dict:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 16:
         raise RequestError("stop", f"stop: at most 16 strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        check_unicode(s, "stop", f"string {i} " if isinstance(req.stop, list) else "")
     if req.seed is not None and not 0 <= req.seed < 2 ** 64:     # (choice j of n uses seed + j, wrapping)
         raise RequestError("seed", f"seed: must be in [0, 2**64), got {req.seed}")
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options", "stream_options: only with stream: true")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats \
+            and not req.stream_options.include_usage:      # (vLLM ignores it then; here it would do nothing)
+        raise RequestError("stream_options.continuous_usage_stats", "stream_options.continuous_usage_stats: "
+                           "needs include_usage: true")
     top_k = req.top_k if req.top_k is not None else 0
     if top_k == -1:
         top_k = 0
@@ -189,7 +218,11 @@ def render_chat(template: str, messages: list[ChatMessage], add_generation_promp
             if bad:
                 raise RequestError(f"messages.{i}.content", f"messages.{i}.content: only text parts are "
                                    f"supported, got type {bad[0]!r}")
-            content = "".join(str(p.get("text", "")) for p in content)
+            for j, p in enumerate(content):    # (str() of null or an object was sent as "None" or its repr)
+                if not isinstance(p.get("text"), str):
+                    f = f"messages.{i}.content.{j}.text"
+                    raise RequestError(f, f"{f}: must be a string, got {json.dumps(p.get('text'), default=str)[:80]}")
+            content = "".join(p["text"] for p in content)
         msgs.append({**m.model_dump(exclude_none=True), "role": m.role, "content": content or ""})
     if not msgs:
         raise RequestError("messages", "messages: empty (give at least one message)")
@@ -204,40 +237,6 @@ def render_chat(template: str, messages: list[ChatMessage], add_generation_promp
                                                    "add_generation_prompt": add_generation_prompt})
     except jinja2.exceptions.TemplateError as e:
         raise RequestError("messages", f"messages: the chat template failed: {e}") from None
-
-
-# --- logprobs --------------------------------------------------------------------------------------
-def _top(entry, token_str) -> list[tuple[str, float]]:
-    return [(token_str(t), lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)]
-
-
-def completion_logprobs(token_ids: list[int], entries: list, token_str, offset: int = 0) -> dict:
-    """Legacy completions logprobs. entries[i]: TokenLogprob of token_ids[i], or None (the first
-    prompt token has no logprob). top_logprobs always holds the token itself, as OpenAI's does."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for tid, e in zip(token_ids, entries):
-        s = token_str(tid)
-        out["tokens"].append(s)
-        out["text_offset"].append(offset)
-        offset += len(s)
-        if e is None:
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-            continue
-        out["token_logprobs"].append(e.logprob)
-        top: dict[str, float] = {}
-        for alt, lp in _top(e, token_str):     # best first: two ids of one text keep the higher logprob
-            top.setdefault(alt, lp)
-        top.setdefault(s, e.logprob)
-        out["top_logprobs"].append(top)
-    return out
-
-
-def chat_logprobs(token_ids: list[int], entries: list, token_str) -> list[dict]:
-    def item(s, lp):
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-    return [{**item(token_str(t), e.logprob), "top_logprobs": [item(s, lp) for s, lp in _top(e, token_str)]}
-            for t, e in zip(token_ids, entries)]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:

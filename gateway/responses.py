@@ -2,7 +2,8 @@
 
 One Choice per (prompt, n) pair, all running concurrently. Streams send `data: {json}` events and
 end with `data: [DONE]`; with stream_options.include_usage the last event before it has
-`choices: []` and the usage. A service failure mid-stream is sent as `data: {"error": ...}`.
+`choices: []` and the usage (continuous_usage_stats as well: every chunk has its choice's usage so far,
+as vLLM's). A service failure mid-stream is sent as `data: {"error": ...}`.
 
 Completions logprobs with echo start with the prompt's tokens (the first has none). When EOS
 ended a completion, its logprob is the last entry (as vLLM reports it), though neither its text
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from gateway import openai_api as api
 from gateway.core import GenerationError, Gateway
+from gateway.openai_logprobs import TextOffsets, chat_logprobs, completion_logprobs, token_bytes
 from gateway.scheduler import Event, GenRequest
 from infra import tracing
 
@@ -42,7 +44,8 @@ class Choice:
     logprobs: list = field(default_factory=list)
     finish: str | None = None
     started: bool = False                    # streaming: first chunk sent
-    offset: int = 0                          # streaming: text_offset of the next token
+    offsets: TextOffsets | None = None        # completions' text_offset, kept across a stream's chunks
+    sent_tokens: int = 0                     # streaming: tokens sent so far (continuous_usage_stats)
 
 
 class CompletionShaper:
@@ -53,6 +56,9 @@ class CompletionShaper:
         self.echo = not chat and req.echo
         self.want_lp = bool(req.logprobs) if chat else req.logprobs is not None
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # vLLM's continuous_usage_stats: every chunk has the usage of its choice so far (else usage: null)
+        self.continuous_usage = self.include_usage and req.stream_options.continuous_usage_stats
+        self.token_bytes = token_bytes(gw.tokenizer)
         self.return_ids = req.return_token_ids
         self.n, self.num_prompts = req.n, num_prompts
 
@@ -67,12 +73,11 @@ class CompletionShaper:
         if last and not self.chat and c.r.eos is not None and c.r.eos[1] is not None:
             ids, entries = ids + [c.r.eos[0]], entries + [c.r.eos[1]]
         if self.chat:
-            return {"content": api.chat_logprobs(ids, entries, self.gw.token_str)}
+            return {"content": chat_logprobs(ids, entries, self.gw.token_str, self.token_bytes)}
         if first and self.echo:
             ids, entries = list(c.r.prompt_ids) + ids, [None] + list(c.r.prompt_lps) + entries
-        out = api.completion_logprobs(ids, entries, self.gw.token_str, c.offset)
-        c.offset = out["text_offset"][-1] + len(out["tokens"][-1]) if out["tokens"] else c.offset
-        return out
+        c.offsets = c.offsets or TextOffsets(self.token_bytes)
+        return completion_logprobs(ids, entries, self.gw.token_str, c.offsets)
 
     def usage(self) -> dict:
         firsts = [self.choices[p * self.n].r for p in range(self.num_prompts)]
@@ -131,6 +136,7 @@ class CompletionShaper:
     # --- stream -----------------------------------------------------------------------------------
     def _chunk(self, c: Choice, ev: Event) -> dict | None:
         first, c.started = not c.started, True
+        c.sent_tokens += len(ev.token_ids)
         if not (ev.text or ev.token_ids or ev.finish_reason or (first and self.echo)):
             return None
         lp = self._logprobs(c, list(ev.token_ids), list(ev.logprobs), first, last=bool(ev.finish_reason))
@@ -149,10 +155,13 @@ class CompletionShaper:
             d["stop_reason"] = _stop_reason(c)
         return d
 
-    def _data(self, choices: list[dict]) -> str:
+    def _data(self, choices: list[dict], c: Choice | None = None) -> str:
+        """A chunk's event; `c`: the choice whose usage so far it carries with continuous_usage_stats."""
         obj = self._envelope(choices, chunk=True)
         if self.include_usage:
             obj["usage"] = None
+            if self.continuous_usage and c is not None:
+                obj["usage"] = api.usage(len(c.r.prompt_ids), c.sent_tokens, c.r.cached_tokens)
         return f"data: {sse_json(obj)}\n\n"
 
     async def sse(self, span):
@@ -168,7 +177,8 @@ class CompletionShaper:
         try:
             if self.chat:
                 yield self._data([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None} for c in self.choices])
+                                   "logprobs": None, "finish_reason": None} for c in self.choices],
+                                 self.choices[0])
             done = 0
             while done < len(self.choices):
                 c, ev, err = await queue.get()
@@ -179,7 +189,7 @@ class CompletionShaper:
                     break
                 d = self._chunk(c, ev)
                 if d is not None:
-                    yield self._data([d])
+                    yield self._data([d], c)
                 done += bool(ev.finish_reason)
             else:
                 if self.include_usage:

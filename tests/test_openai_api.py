@@ -254,3 +254,64 @@ def test_alternatives_of_one_text_keep_the_higher_logprob():
     e = SimpleNamespace(logprob=-0.5, top_token_ids=[7, 8, 9], top_logprobs=[-0.5, -1.0, -2.0])
     out = completion_logprobs([7], [e], lambda t: {7: "\ufffd", 8: "\ufffd", 9: "x"}[t])
     assert out["top_logprobs"] == [{"\ufffd": -0.5, "x": -2.0}]
+
+
+SPECIAL = ("<s>", "</s>", "<pad>")
+
+
+def test_logprob_bytes_rebuild_multibyte_characters(api_cluster, http):
+    """Chat logprobs' `bytes` are each token's own UTF-8 bytes (a byte-level piece of a multi-byte character has
+    its one byte, not U+FFFD's three), so those of consecutive tokens join into the text (found probing as a user:
+    an emoji's four tokens each had [239, 191, 189]). Sampled from the tiny model, whose vocabulary is half single
+    bytes: its texts are full of pieces of characters (and of invalid UTF-8, which decodes alike)."""
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 48, "temperature": 1.0, "seed": 5,
+                                                "n": 4, "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    pieces = 0
+    for choice in r.json()["choices"]:
+        content = choice["logprobs"]["content"]
+        joined = bytes(b for t in content if t["token"] not in SPECIAL for b in t["bytes"])
+        assert joined.decode("utf-8", "replace") == choice["message"]["content"]
+        pieces += sum(len(t["bytes"]) == 1 and t["bytes"][0] >= 0x80 for t in content)
+        assert all(isinstance(a["bytes"], list) for t in content for a in t["top_logprobs"])
+    assert pieces, "no token was a piece of a multi-byte character: the test checks nothing"
+
+
+def test_text_offsets_stay_in_the_text(http):
+    """Completions' text_offset: a token that completes no character yet has the offset where its character
+    starts, so no offset points past the end of the text (one per byte token had run past it); streamed alike."""
+    text = "😀😀 é x"
+    ids = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0})
+    choice = r.json()["choices"][0]
+    offsets = choice["logprobs"]["text_offset"]
+    assert choice["text"] == text and len(offsets) == len(ids) and len(ids) > len(text), (ids, r.text)
+    assert offsets == sorted(offsets) and offsets[0] == 0 and max(offsets) < len(text), offsets
+    body = {"prompt": ids, "max_tokens": 12, "echo": True, "logprobs": 1, "temperature": 1.0, "seed": 3}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    events = [json.loads(line[6:]) for line in http.post("/v1/completions", json={**body, "stream": True}).text
+              .splitlines() if line.startswith("data: {")]
+    streamed = [o for e in events for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == whole["logprobs"]["text_offset"]
+    assert streamed == sorted(streamed) and max(streamed) <= len(whole["text"]), (streamed, whole["text"])
+
+
+def test_continuous_usage_stats(http):
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries its choice's usage so far (it was
+    accepted and ignored); the usage chunk at the end is the whole request's."""
+    opts = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": CHAT})):
+        r = http.post(path, json={**body, **opts, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2})
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        *chunks, last = events
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10, r.text
+        seen = {0: 0, 1: 0}
+        for e in chunks:
+            u = e["usage"]
+            assert u["prompt_tokens"] == last["usage"]["prompt_tokens"]         # (n copies of one prompt)
+            assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+            if len(e["choices"]) == 1:
+                i = e["choices"][0]["index"]
+                assert u["completion_tokens"] >= seen[i]
+                seen[i] = u["completion_tokens"]
+        assert seen == {0: 5, 1: 5}, r.text

@@ -83,6 +83,55 @@ BAD = [
     ("chat: lone surrogate", "/v1/chat/completions",
      b'{"messages": [{"role": "user", "content": "x\\udfff"}]}', 400, "messages", "surrogate (U+DFFF)"),
     ("tokenize: lone surrogate", "/tokenize", b'{"prompt": "\\ud83d"}', 400, "prompt", "surrogate"),
+    # in stop too (was accepted, though it can match nothing)
+    ("stop: lone surrogate", "/v1/completions", b'{"prompt": "x", "stop": ["ab", "\\ud800"], "max_tokens": 3}', 400,
+     "stop", "string 1 holds an unpaired UTF-16 surrogate (U+D800)"),
+    ("stop string: lone surrogate", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "x"}], "stop": "a\\udfff"}', 400, "stop",
+     "surrogate (U+DFFF) at character 1"),
+    # wrong JSON types are refused, not coerced (lax pydantic had made "logprobs": false top-0 logprobs, true 1, "10"
+    # 10, "yes" a stream, [true, false] token ids)
+    ("logprobs false", "/v1/completions", {**OK, "logprobs": False}, 400, "logprobs",
+     "valid integer (got false, a boolean)"),
+    ("max_tokens true", "/v1/completions", {**OK, "max_tokens": True}, 400, "max_tokens",
+     "integer (got true, a boolean)"),
+    ("max_tokens a numeric string", "/v1/completions", {**OK, "max_tokens": "10"}, 400, "max_tokens",
+     'valid integer (got "10", a string)'),
+    ("max_tokens 10.0", "/v1/completions", {**OK, "max_tokens": 10.0}, 400, "max_tokens", "(got 10.0, a number)"),
+    ("n a numeric string", "/v1/completions", {**OK, "n": "2"}, 400, "n", "integer"),
+    ("seed a numeric string", "/v1/completions", {**OK, "seed": "7"}, 400, "seed", "integer"),
+    ("top_k a numeric string", "/v1/completions", {**OK, "top_k": "5"}, 400, "top_k", "integer"),
+    ("temperature a numeric string", "/v1/completions", {**OK, "temperature": "0.5"}, 400, "temperature",
+     'valid number (got "0.5", a string)'),
+    ("top_p true", "/v1/completions", {**OK, "top_p": True}, 400, "top_p", "number (got true, a boolean)"),
+    ("stream yes", "/v1/completions", {**OK, "stream": "yes"}, 400, "stream", 'valid boolean (got "yes", a string)'),
+    ("stream 1", "/v1/completions", {**OK, "stream": 1}, 400, "stream", "boolean (got 1, an integer)"),
+    ("echo a string", "/v1/completions", {**OK, "echo": "false"}, 400, "echo", "boolean"),
+    ("ignore_eos a string", "/v1/completions", {**OK, "ignore_eos": "no"}, 400, "ignore_eos", "boolean"),
+    ("include_usage a string", "/v1/completions", {**OK, "stream": True, "stream_options": {"include_usage": "yes"}},
+     400, "stream_options.include_usage", "boolean"),
+    ("prompt of booleans", "/v1/completions", {**OK, "prompt": [True, False]}, 400, "prompt.0",
+     "integer (got true, a boolean)"),
+    ("prompt lists with a boolean", "/v1/completions", {**OK, "prompt": [[5, 6], [7, True]]}, 400, "prompt.1.1",
+     "integer"),
+    ("detokenize: a boolean", "/detokenize", {"tokens": [True]}, 400, "tokens.0", "integer (got true, a boolean)"),
+    ("chat: logprobs 1", "/v1/chat/completions", {"messages": MSGS, "logprobs": 1}, 400, "logprobs", "boolean"),
+    ("chat: add_generation_prompt a string", "/v1/chat/completions",
+     {"messages": MSGS, "add_generation_prompt": "no"}, 400, "add_generation_prompt", "boolean"),
+    ("chat: top_logprobs a string", "/v1/chat/completions", {"messages": MSGS, "logprobs": True, "top_logprobs": "2"},
+     400, "top_logprobs", "integer"),
+    # a text part's text must be a string (null and objects were rendered as "None" and their repr)
+    ("chat: text part null", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": None}]}]}, 400, "messages.0.content.1.text",
+     "must be a string, got null"),
+    ("chat: text part an object", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": {"a": 1}}]}]}, 400, "messages.0.content.0.text", 'got {"a": 1}'),
+    ("tokenize: text part missing", "/tokenize", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "messages.0.content.0.text", "must be a string"),
+    # continuous_usage_stats is per-chunk usage: without include_usage it would do nothing
+    ("continuous_usage_stats without include_usage", "/v1/completions",
+     {**OK, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options.continuous_usage_stats", "needs include_usage: true"),
 ]
 
 
@@ -199,3 +248,11 @@ def test_health_503_when_the_target_is_down(api_cluster):
         assert r.status_code == 503 and r.json()["status"] == "unavailable"
         assert "target unreachable" in r.json()["reason"] and "UNAVAILABLE" in r.json()["reason"]
         assert 'tandem:service_up{model_name="tiny",service="target"} 0.0' in c.get("/metrics").text
+
+
+def test_json_numbers_where_floats_go(http):
+    """Strict types still take an integer where a float goes (temperature 1, top_p 1), as JSON has one number type."""
+    r = http.post("/v1/completions", json={**OK, "temperature": 1, "top_p": 1, "seed": 3, "stream": False,
+                                           "echo": False, "logprobs": 0, "n": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"]["token_logprobs"], r.text
