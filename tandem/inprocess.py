@@ -37,6 +37,7 @@ class TensorChannel:
     """The bridge in one process: the target parks each transfer's rows, the draft takes them (on its device)."""
     ready = True
     pushes = False                                  # parked: sent before the Propose that names them
+    ring = False                                    # a Verify's rows are parked after its acceptance, as before
 
     def __init__(self, draft_device):
         self.device, self.rows, self.lock = draft_device, {}, threading.Lock()
