@@ -36,7 +36,8 @@ class GatewayConfig:
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS   # prompt positions one step prefills (chunks); 0: whole
     default_max_tokens: int = 256
     hidden_transport: str = "auto"
-    connect_timeout_s: float = 120.0
+    connect_timeout_s: float = 120.0         # the target must serve within it, else the gateway exits 1
+    draft_wait_s: float = 120.0              # ... the draft: past it the gateway serves without drafts until it does
     http_port: int = 8000
     served_model_name: str = ""
     api_key: str = ""
@@ -94,6 +95,9 @@ class GatewayConfig:
             raise SystemExit(f"--model {self.model}: no tokenizer.json there")
         if min(self.max_prompt_tokens, self.max_output_tokens) < 0 or self.max_request_bytes < 1024:
             raise SystemExit("--max-prompt-tokens and --max-output-tokens must be >= 0, --max-request-bytes >= 1024")
+        if not (self.connect_timeout_s > 0 and self.draft_wait_s >= 0):
+            raise SystemExit(f"tandem gateway: --connect-timeout must be > 0 and --draft-wait >= 0, got "
+                             f"{self.connect_timeout_s} and {self.draft_wait_s}")
         if not (self.draft_timeout_s > 0 and self.rpc_timeout_s > 0):
             raise SystemExit(f"tandem gateway: --draft-timeout and --rpc-timeout must be > 0, got "
                              f"{self.draft_timeout_s} and {self.rpc_timeout_s}")
@@ -144,6 +148,11 @@ def parse(argv) -> GatewayConfig:
     p.add_argument("--no-busy-poll", dest="busy_poll", action="store_false", help="sleep while a round's "
                    "Verify or Propose is out (default: the event loop keeps polling until the answer is in, one "
                    "CPU busy while calls run: an idle CPU of a VM wakes 0.2-0.4 ms late, gateway/lanes.py)")
+    p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, default=120.0, help="seconds to wait "
+                   "at start for the target to serve before exiting with status 1")
+    p.add_argument("--draft-wait", dest="draft_wait_s", type=float, default=120.0, help="seconds to wait at start "
+                   "for the draft to serve (at the same time as the target); past them the gateway serves without "
+                   "drafts (plain decoding, /health: speculation degraded) and speculates once the draft answers")
     p.add_argument("--host", default="127.0.0.1", help="address of the gRPC and HTTP listeners")
     p.add_argument("--grpc-port", type=int, default=50051, help="the GenerateService")
     p.add_argument("--http-port", "--port", type=int, default=8000,

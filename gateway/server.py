@@ -33,7 +33,8 @@ from tandem.v1 import common_pb2, draft_pb2_grpc, generate_pb2_grpc, target_pb2_
 log = logging.getLogger("tandem.gateway")
 
 
-async def wait_ready(channel: grpc.aio.Channel, name: str, timeout_s: float) -> None:
+async def wait_ready(channel: grpc.aio.Channel, name: str, timeout_s: float) -> bool:
+    """Whether the service at `channel` said SERVING within timeout_s (logged every 10 s while waiting)."""
     stub = health_pb2_grpc.HealthStub(channel)
     start = asyncio.get_running_loop().time()
     deadline, said = start + timeout_s, start
@@ -45,27 +46,32 @@ async def wait_ready(channel: grpc.aio.Channel, name: str, timeout_s: float) -> 
         try:
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
             if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                return
+                return True
         except grpc.aio.AioRpcError:
             pass
         if asyncio.get_running_loop().time() > deadline:
-            raise SystemExit(f"{name} did not become SERVING within {timeout_s:.0f}s")
+            return False
         await asyncio.sleep(0.5)
 
 
+def model_mismatch(target: common_pb2.InfoResponse, draft: common_pb2.InfoResponse) -> list[str]:
+    """How draft and target differ in model (identity: services/identity.py) or contract; [] when they agree."""
+    return [f"draft and target disagree on {field}: target {getattr(target, field)!r} (--model {target.model}), "
+            f"draft {getattr(draft, field)!r} (--model {draft.model})"
+            for field in ("model_identity", "contract_version", "vocab_size", "hidden_size")
+            if getattr(target, field) != getattr(draft, field)]
+
+
 def check_same_model(target: common_pb2.InfoResponse, draft: common_pb2.InfoResponse) -> None:
-    """Refuse to serve unless draft and target run the same model (identity: services/identity.py)
-    under the same contract; the error names both sides' values and checkpoints."""
-    for field in ("model_identity", "contract_version", "vocab_size", "hidden_size"):
-        t, d = getattr(target, field), getattr(draft, field)
-        if t != d:
-            raise SystemExit(f"gateway: refusing to serve: draft and target disagree on {field}: "
-                             f"target {t!r} (--model {target.model}), draft {d!r} (--model {draft.model})")
+    """Refuse to serve unless draft and target run the same model under the same contract."""
+    if wrong := model_mismatch(target, draft):
+        raise SystemExit(f"gateway: refusing to serve: {wrong[0]}")
 
 
 @dataclass
 class Services:
-    """The target and (when speculating) the draft: stubs, channels and their GetInfo at start."""
+    """The target and (when speculating) the draft: stubs, channels and their GetInfo at start (dinfo None:
+    the draft did not serve within --draft-wait; the gateway starts without it and its watch brings it in)."""
     target: target_pb2_grpc.TargetServiceStub
     tchan: grpc.aio.Channel
     info: common_pb2.InfoResponse
@@ -85,19 +91,31 @@ class Services:
 
 
 async def connect(cfg: GatewayConfig) -> Services:
-    """Wait for the target (and the draft when K > 0) to serve; refuse a draft of another model."""
-    tchan = tls_mod.aio_channel(cfg.target_addr, cfg.tls, options=channel_options() + watch.RECONNECT_OPTIONS,
-                                interceptors=tracing.client_interceptors())
-    await wait_ready(tchan, f"target at {cfg.target_addr}", cfg.connect_timeout_s)
+    """Wait for the target (and, at once, the draft when K > 0) to serve. No target within --connect-timeout:
+    exit 1. No draft within --draft-wait: serve without drafts until it answers (lossless: every token is the
+    target's). A draft of another model present at start is refused: a wrong --draft-addr fails loudly."""
+    def channel(addr: str) -> grpc.aio.Channel:
+        return tls_mod.aio_channel(addr, cfg.tls, options=channel_options() + watch.RECONNECT_OPTIONS,
+                                   interceptors=tracing.client_interceptors())
+    tchan = channel(cfg.target_addr)
+    dchan = channel(cfg.draft_addr) if cfg.num_speculative_tokens > 0 else None
+    dready = (asyncio.ensure_future(wait_ready(dchan, f"draft at {cfg.draft_addr}", cfg.draft_wait_s))
+              if dchan is not None else None)
+    if not await wait_ready(tchan, f"target at {cfg.target_addr}", cfg.connect_timeout_s):
+        if dready is not None:
+            dready.cancel()
+        raise SystemExit(f"target at {cfg.target_addr} did not become SERVING within {cfg.connect_timeout_s:.0f}s "
+                         "(--connect-timeout)")
     target = target_pb2_grpc.TargetServiceStub(tchan)
     s = Services(target, tchan, await target.GetInfo(common_pb2.InfoRequest(), timeout=10))
-    if cfg.num_speculative_tokens > 0:
-        s.dchan = tls_mod.aio_channel(cfg.draft_addr, cfg.tls, options=channel_options() + watch.RECONNECT_OPTIONS,
-                                      interceptors=tracing.client_interceptors())
-        await wait_ready(s.dchan, f"draft at {cfg.draft_addr}", cfg.connect_timeout_s)
-        s.draft = draft_pb2_grpc.DraftServiceStub(s.dchan)
-        s.dinfo = await s.draft.GetInfo(common_pb2.InfoRequest(), timeout=10)
-        check_same_model(s.info, s.dinfo)
+    if dchan is not None:
+        s.dchan, s.draft = dchan, draft_pb2_grpc.DraftServiceStub(dchan)
+        if await dready:
+            s.dinfo = await s.draft.GetInfo(common_pb2.InfoRequest(), timeout=10)
+            check_same_model(s.info, s.dinfo)
+        else:
+            log.warning("the draft at %s did not serve within %.0f s (--draft-wait): serving without drafts until "
+                        "it does", cfg.draft_addr, cfg.draft_wait_s)
     return s
 
 
@@ -133,12 +151,14 @@ async def serve(cfg: GatewayConfig) -> None:
                           mixed_prefill=cfg.mixed_prefill, late_admission=cfg.late_admission,
                           policy=AdaptivePolicy(cfg.num_speculative_tokens, cfg.adaptive_reprobe_rounds)
                           if cfg.speculation == "adaptive" else FixedPolicy(cfg.num_speculative_tokens))
+    if svc.draft is not None and svc.dinfo is None:
+        scheduler.draft_lost(f"the draft at {cfg.draft_addr} has not served since the gateway started")
     metrics.attach(scheduler, svc.stubs)
     gw = Gateway(cfg.model, cfg.model_name, tokenizer, scheduler, Limits(
         info.vocab_size, info.max_model_len, cfg.num_speculative_tokens, cfg.default_max_tokens, cfg.max_logprobs,
         cfg.max_prompt_tokens, cfg.max_output_tokens, cfg.max_request_bytes))
     loop_task = asyncio.ensure_future(scheduler.run())
-    watch_tasks = watch.start(scheduler, *svc.watched())
+    watch_tasks = watch.start(scheduler, *svc.watched(), lambda d: model_mismatch(info, d))
     server, health, port = grpc_listener(cfg, gw)
     http = HttpServer(gw, metrics, loop_task, cfg.key, tls=cfg.tls)
     http_port = http.bind(cfg.host, cfg.http_port)

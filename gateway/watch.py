@@ -45,11 +45,13 @@ def info_changes(before: common_pb2.InfoResponse, now: common_pb2.InfoResponse) 
 
 class ServiceWatch:
     """Polls one service. `is_down()`: whether the gateway holds it for down now (set by this watch
-    or by a failed call); `on_down(reason)` / `on_up()`: report what a check found."""
+    or by a failed call); `on_down(reason)` / `on_up()`: report what a check found. `info` None: the
+    service has not answered since the gateway started; its first GetInfo must pass `first(info)` (-> the
+    differences from what the gateway serves, [] when none) and is then the reference."""
 
-    def __init__(self, name: str, channel: grpc.aio.Channel, stub, info: common_pb2.InfoResponse,
-                 is_down, on_down, on_up, interval_s: float = WATCH_INTERVAL_S):
-        self.name, self.stub, self.info = name, stub, info
+    def __init__(self, name: str, channel: grpc.aio.Channel, stub, info: common_pb2.InfoResponse | None,
+                 is_down, on_down, on_up, interval_s: float = WATCH_INTERVAL_S, first=None):
+        self.name, self.stub, self.info, self.first = name, stub, info, first
         self.health = health_pb2_grpc.HealthStub(channel)
         self.is_down, self.on_down, self.on_up, self.interval_s = is_down, on_down, on_up, interval_s
 
@@ -87,9 +89,11 @@ class ServiceWatch:
             now = await self.stub.GetInfo(common_pb2.InfoRequest(), timeout=CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             return []
-        changes = info_changes(self.info, now)
+        changes = info_changes(self.info, now) if self.info is not None else self.first(now)
         if changes:
             log.error("%s came back serving another model: %s", self.name, "; ".join(changes))
+        elif self.info is None:
+            self.info = now
         return changes or None
 
 
@@ -112,9 +116,10 @@ async def watch_bridge(scheduler, target, draft, wanted: int, interval_s: float 
             scheduler.transport = wanted
 
 
-def start(scheduler, target: tuple, draft: tuple | None) -> list[asyncio.Task]:
+def start(scheduler, target: tuple, draft: tuple | None, mismatch=None) -> list[asyncio.Task]:
     """Watch tasks for the target and (when speculating) the draft; each tuple is (channel, stub,
-    its GetInfo at start). A lost draft degrades speculation (scheduler.draft_lost) and one that
+    its GetInfo at start: None for a draft that did not serve then, whose first GetInfo must pass
+    `mismatch(info)` -> [] (gateway/server.py model_mismatch)). A lost draft degrades speculation (scheduler.draft_lost) and one that
     answers again resumes it; a lost target refuses new requests until it is back. With a bridge
     configured (the scheduler's transport now), rows return to it after a draft restart."""
     av = scheduler.avail
@@ -122,7 +127,8 @@ def start(scheduler, target: tuple, draft: tuple | None) -> list[asyncio.Task]:
                                                 scheduler.target_lost, av.target_answers).run())]
     if draft is not None:
         tasks.append(asyncio.ensure_future(ServiceWatch("draft", *draft, lambda: av.degraded is not None,
-                                                        scheduler.draft_lost, av.draft_answers).run()))
+                                                        scheduler.draft_lost, av.draft_answers,
+                                                        first=mismatch).run()))
         if scheduler.transport != rows_pb2.TRANSPORT_INLINE:
             tasks.append(asyncio.ensure_future(watch_bridge(scheduler, target[1], draft[1], scheduler.transport)))
     return tasks

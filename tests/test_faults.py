@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -26,7 +27,7 @@ import httpx
 import pytest
 
 from cluster import Cluster, make_checkpoint, serve_module
-from tandem.v1 import generate_pb2 as gen
+from tandem.v1 import generate_pb2 as gen, generate_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -225,3 +226,52 @@ def test_draft_hangs_then_wakes(cluster):
     n = min(len(spec), len(plain))
     assert spec[:n] == plain[:n]
     drained_within(cluster, 10)
+
+
+# --- a gateway started while its draft is down -------------------------------------------------
+def test_gateway_starts_without_its_draft_then_speculates_once_it_serves(cluster, ckpt, tmp_path):
+    """A draft that is down (or still loading) when the gateway starts does not keep the gateway from serving:
+    past --draft-wait it serves without drafts (/health degraded), refuses a draft of another model that comes
+    up at the draft's address, and speculates once the right draft serves. Greedy output equals K = 0 throughout."""
+    from cluster import Proc, free_ports
+    cluster.kill("draft")
+    gport, hport = free_ports(2)
+    cmd = list(cluster.proc("gateway").cmd)
+    for flag, port in (("--grpc-port", gport), ("--http-port", hport)):
+        cmd[cmd.index(flag) + 1] = str(port)
+    late = Proc("gateway-late", cmd + ["--draft-wait", "1"], f"127.0.0.1:{gport}", tmp_path / "gateway-late.log")
+    cluster._spawn(late)
+    cluster.wait_serving(late, time.monotonic() + 60)
+    url, stub = f"http://127.0.0.1:{hport}", generate_pb2_grpc.GenerateServiceStub(cluster.channel(late.addr))
+
+    def complete(k: int) -> list[int]:
+        req = gen.GenerateRequest(max_tokens=24, ignore_eos=True, num_speculative_tokens=k)
+        req.token_ids.ids.extend([21, 22, 23])
+        return list(stub.Generate(req, timeout=60).token_ids)
+    state = health(url)[1]["speculation"]
+    assert state["state"] == "degraded", state
+    plain = complete(0)
+    assert complete(K) == plain and metric(url, "tandem:spec_decode_num_drafts") == 0
+
+    other = tmp_path / "other-model"                   # the same shapes, another config: another identity
+    shutil.copytree(ckpt, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": cfg["rms_norm_eps"] * 2}))
+    draft = cluster.proc("draft")
+    wrong = Proc("draft-other-model", [str(other) if a == str(ckpt) else a for a in draft.cmd], draft.addr,
+                 tmp_path / "draft-other.log")
+    cluster._spawn(wrong)
+    wait_until(lambda: "model_identity" in health(url)[1]["speculation"].get("reason", ""), 60,
+               "the draft of another model refused by name")
+    assert health(url)[1]["speculation"]["state"] == "degraded" and complete(K) == plain
+    cluster.kill("draft-other-model")
+    cluster.procs.remove(wrong)                         # (not one of the cluster's: its end is no fault)
+
+    cluster.restart("draft")
+    wait_until(lambda: health(url)[1]["speculation"]["state"] == "active", 30, "speculating once the draft serves")
+    assert complete(K) == plain
+    assert metric(url, "tandem:spec_decode_num_drafts") > 0
+    cluster.kill("gateway-late")
+    cluster.procs.remove(late)
+    wait_until(lambda: health(cluster.gateways[0].http_url)[1]["speculation"]["state"] == "active", 30,
+               "the cluster's own gateway speculating again")
