@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra import tls as tls_mod
+from infra.help import DefaultsHelp
 from infra.defaults import HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS, MAX_NUM_BATCHED_TOKENS, NUM_SPECULATIVE_TOKENS
 from infra.ports import check_addr_port, check_port
 from tandem.v1 import rows_pb2
@@ -117,7 +118,7 @@ class GatewayConfig:
 def parse(argv) -> GatewayConfig:
     from infra.paths import default_model_dir
     p = argparse.ArgumentParser(prog="tandem gateway", description=DESCRIPTION,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelp)
     p.add_argument("--model", default=None, help="checkpoint dir (for its tokenizer)")
     p.add_argument("--target-addr", default="127.0.0.1:50052", help="the target service")
     p.add_argument("--draft-addr", default="127.0.0.1:50053", help="the draft service")

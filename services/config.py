@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from infra.help import DefaultsHelp
 from infra.defaults import DRAFT_Q_MASS, DRAFT_Q_WIDTH, HIDDEN_TRANSPORTS, MAX_DRAFT_TOKENS, MAX_MODEL_LEN
 from infra.ports import check_addr_port, check_port
 from models.config import QUANTIZATIONS
@@ -177,7 +178,7 @@ class ServiceConfig:
 def parse(role: str, argv, description: str) -> ServiceConfig:
     from models.tiny import default_model
     p = argparse.ArgumentParser(prog=f"tandem {role}", description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelp)
     flags = {"port": ["--grpc-port"], "tp": ["--tp", "--tensor-parallel-size", "--tp-size"]}   # vLLM's, SGLang's names
     for f in fields(ServiceConfig):
         if f.name == "role":

@@ -181,6 +181,19 @@ def add_gateway(cluster: subprocess.Popen, model: str | None, kmax: int,
     raise SystemExit(f"the added gateway ({' '.join(cmd)}) did not serve (exit code {proc.wait()})")
 
 
+def check_gateway(addr: str, flag: str = "--gateway") -> str:
+    """`addr` if a gateway's gRPC API answers there, else exit naming the flag (the HTTP port is the usual slip)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(addr) as ch:
+        try:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10, wait_for_ready=True)
+            return addr
+        except grpc.RpcError as e:
+            raise SystemExit(f"tandem bench: {flag} {addr}: no gateway gRPC API answers there ({e.code().name}: "
+                             f"{e.details()}); give its gRPC address (--grpc-port, 50051 by default), not the "
+                             "HTTP port") from None
+
+
 def stop_cluster(proc: subprocess.Popen | None) -> None:
     if proc is not None:
         proc.send_signal(signal.SIGTERM)
@@ -191,7 +204,8 @@ def acceptance(argv) -> int:
     from models.tiny import default_model
     p = argparse.ArgumentParser(prog="tandem bench acceptance", description=__doc__)
     p.add_argument("--model", default=None)
-    p.add_argument("--gateway", default=None, help="use a running gateway (HOST:PORT) instead of starting one (one "
+    p.add_argument("--gateway", default=None, help="use a running gateway's gRPC address (HOST:PORT of its "
+                   "--grpc-port, 50051 by default) instead of starting one (one "
                    "started with --speculation fixed: an adaptive gateway drafts its own k, not the table's K)")
     p.add_argument("--max-k", type=int, default=4)
     p.add_argument("--prompts", type=int, default=16)
@@ -208,6 +222,8 @@ def acceptance(argv) -> int:
     if a.gateway is None:   # the model's acceptance at each K: every round drafts K (adaptive would pick its own k)
         fixed = [] if any(x.split("=")[0] == "--speculation" for x in extra) else ["--speculation", "fixed"]
         proc, a.gateway, _ = start_cluster(model, a.max_k, fixed + extra)
+    else:
+        check_gateway(a.gateway)
     try:
         stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(a.gateway))
         prompts = heldout_prompts(Path(model), a.prompts, a.prompt_chars, a.seed, end_at_line=not a.mid_line)

@@ -27,6 +27,7 @@ import time
 
 import grpc
 
+from infra.help import DefaultsHelp
 from tandem.bench import start_cluster, stop_cluster, write_results
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
@@ -98,7 +99,7 @@ def main(argv) -> int:
     from models.presets import model_config
     from models.tiny import default_model
     p = argparse.ArgumentParser(prog="tandem bench prefill", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelp)
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled test model)")
     p.add_argument("--streams", type=int, default=4, help="running streams")
     p.add_argument("--long-tokens", type=int, default=1500, help="the arriving prompt's length")

@@ -76,7 +76,8 @@ def parse(argv):
     p.add_argument("--synthetic-acceptance", action="append", default=[], help="BENCHMARK ONLY, changes the "
                    "output: the target accepts each draft with probability P, or P1,P2,... per position, after its "
                    "real forward (greedy). Repeat for several profiles. Makes speedup measurable on random weights")
-    p.add_argument("--gateway", default=None, help="use a running gateway (HOST:PORT) instead of starting one")
+    p.add_argument("--gateway", default=None, help="use a running gateway's gRPC address (HOST:PORT of its "
+                   "--grpc-port, 50051 by default) instead of starting one")
     p.add_argument("--metrics", default=None, help="with --gateway: its HTTP HOST:PORT (/metrics) for the split")
     p.add_argument("--ks", default="0,1,2,3,4")
     p.add_argument("--speculation", default="fixed", help="fixed (the --ks grid), adaptive (k <= the largest of "
@@ -121,6 +122,9 @@ def run_profile(model: str, rid: str | None, a, extra: list[str], profile: str) 
     if a.clients == "queued" and a.gateway:
         raise SystemExit("tandem bench speed: --clients queued starts a gateway per batch size (--max-batch), so "
                          "not with --gateway")
+    if a.gateway:
+        from tandem.bench import check_gateway
+        check_gateway(a.gateway)
     if a.gateway and any(gateways(m) > 1 for m in modes):
         raise SystemExit("tandem bench speed: a /halves mode starts its own two gateways, so not with --gateway")
     per_batch = a.clients == "queued"               # a gateway per (mode, batch size), --max-batch it

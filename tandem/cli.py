@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from infra.help import DefaultsHelp
+
 
 def _make_tiny(args) -> int:
     from models.tiny import make_tiny
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=_make_tiny)
     s = sub.add_parser("generate", help="greedy generation in this process (no services)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelp)
     s.add_argument("--model", help="checkpoint dir (default: the bundled model)")
     s.add_argument("--prompt", default="def fibonacci(n):\n", help="text to continue")
     s.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infra.defaults import (DRAFT_Q_MASS, HIDDEN_TRANSPORTS, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS,
                             NUM_SPECULATIVE_TOKENS, transport_misfit)
+from infra.help import DefaultsHelp
 from models.config import QUANTIZATIONS
 from models.presets import PRESETS
 from tandem.supervise import Supervisor
@@ -73,7 +74,7 @@ def add_gateway_flags(p) -> None:
 def parse(argv):
     from models.tiny import default_model
     p = argparse.ArgumentParser(prog="tandem serve", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelp)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=NUM_SPECULATIVE_TOKENS,
                    help="draft tokens per round (0: plain decoding); with --speculation adaptive the cap")

@@ -31,6 +31,28 @@ def test_help_shows_defaults(cmd, flag, default):
     assert flag in text and f"(default: {default})" in text, r.stdout
 
 
+@pytest.mark.parametrize("cmd", ["serve", "gateway", "target", "draft"])
+def test_help_shows_no_default_that_says_nothing(cmd):
+    """A switch's default ("--no-busy-poll ... (default: True)") or one its help already states in words is left out."""
+    text = " ".join(tandem(cmd, "--help").stdout.split())
+    assert "(default: True)" not in text and "(default: False)" not in text, text
+    assert not [part for part in text.split(" --") if part.count("(default") > 1], "a default said twice"
+
+
+def test_bench_given_the_http_port_for_gateway_says_which_port(tmp_path):
+    """The bench's --gateway is the gRPC address; an HTTP listener there is named, not a gRPC traceback."""
+    import http.server
+    import threading
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = tandem("bench", "acceptance", "--gateway", f"127.0.0.1:{srv.server_port}", "--out", str(tmp_path))
+    finally:
+        srv.shutdown()
+    assert r.returncode == 1 and "--gateway" in r.stderr and "gRPC address" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_vllm_and_sglang_flag_names():
     from services.config import parse
     from tandem import serve
