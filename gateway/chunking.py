@@ -210,7 +210,7 @@ async def feed_draft(s: Scheduler, feed: list[GenRequest]) -> None:
     if not feed:
         return
     sets, index = row_sets(feed)
-    preq = draft_pb2.ProposeRequest(items=feed_items(feed, index), hidden_rows=sets)
+    preq = draft_pb2.ProposeRequest(items=feed_items(feed, index), hidden_rows=sets, gateway_session=s.session)
     timeout, by_deadlines = call_budget(feed, s.draft_timeout)
     try:
         with tracing.phase("propose", [r.span for r in feed], requests=len(feed)):

@@ -115,13 +115,23 @@ class GatewayConfig:
         return self
 
 
+def add_service_flags(p: argparse.ArgumentParser) -> None:
+    """Where the target and draft are, and how long the gateway waits for them at start."""
+    p.add_argument("--target-addr", default="127.0.0.1:50052", help="the target service")
+    p.add_argument("--draft-addr", default="127.0.0.1:50053", help="the draft service")
+    p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, default=120.0, help="seconds to wait "
+                   "at start for the target to serve before exiting with status 1")
+    p.add_argument("--draft-wait", dest="draft_wait_s", type=float, default=120.0, help="seconds to wait at start "
+                   "for the draft to serve (at the same time as the target); past them the gateway serves without "
+                   "drafts (plain decoding, /health: speculation degraded) and speculates once the draft answers")
+
+
 def parse(argv) -> GatewayConfig:
     from infra.paths import default_model_dir
     p = argparse.ArgumentParser(prog="tandem gateway", description=DESCRIPTION,
                                 formatter_class=DefaultsHelp)
     p.add_argument("--model", default=None, help="checkpoint dir (for its tokenizer)")
-    p.add_argument("--target-addr", default="127.0.0.1:50052", help="the target service")
-    p.add_argument("--draft-addr", default="127.0.0.1:50053", help="the draft service")
+    add_service_flags(p)
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=NUM_SPECULATIVE_TOKENS,
                    help="draft tokens per round (0: plain decoding); with --speculation adaptive the most a "
                    "request drafts; a request may ask for fewer (num_speculative_tokens)")
@@ -149,11 +159,6 @@ def parse(argv) -> GatewayConfig:
     p.add_argument("--no-busy-poll", dest="busy_poll", action="store_false", help="sleep while a round's "
                    "Verify or Propose is out (default: the event loop keeps polling until the answer is in, one "
                    "CPU busy while calls run: an idle CPU of a VM wakes 0.2-0.4 ms late, gateway/lanes.py)")
-    p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, default=120.0, help="seconds to wait "
-                   "at start for the target to serve before exiting with status 1")
-    p.add_argument("--draft-wait", dest="draft_wait_s", type=float, default=120.0, help="seconds to wait at start "
-                   "for the draft to serve (at the same time as the target); past them the gateway serves without "
-                   "drafts (plain decoding, /health: speculation degraded) and speculates once the draft answers")
     p.add_argument("--host", default="127.0.0.1", help="address of the gRPC and HTTP listeners")
     p.add_argument("--grpc-port", type=int, default=50051, help="the GenerateService")
     p.add_argument("--http-port", "--port", type=int, default=8000,

@@ -38,7 +38,7 @@ async def recover(s: Scheduler, reqs: list[GenRequest], drafts: dict) -> None:
         call = "draft Propose"
         resp = await s.draft.Propose(draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
             request_id=r.id, new_token_ids=tokens[r.id], num_draft_tokens=r.round_k(), sampling=r.sampling,
-            position=0) for r in reqs], hidden_rows=[rows]), timeout=s.draft_timeout)
+            position=0) for r in reqs], hidden_rows=[rows], gateway_session=s.session), timeout=s.draft_timeout)
     except grpc.aio.AioRpcError as e:
         for r in reqs:
             drafts.pop(r.id, None)

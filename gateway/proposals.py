@@ -67,7 +67,8 @@ async def send(s: Scheduler, spec: list[GenRequest], feed: list[GenRequest], rid
     preq = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
         request_id=r.id, new_token_ids=r.draft.pending, num_draft_tokens=r.round_k(), sampling=r.sampling,
         position=r.draft.position, cached_tokens=r.draft.cached, rows_set=index[id(r.draft.rows)])
-        for r in spec] + chunking.feed_items(feed, index), hidden_rows=sets, ride_ahead_id=ride)
+        for r in spec] + chunking.feed_items(feed, index), hidden_rows=sets, ride_ahead_id=ride,
+        gateway_session=s.session)
     timeout, by_deadlines = call_budget(spec, s.draft_timeout)
     begin = getattr(s.draft.Propose, "begin", None)      # gateway/lanes.py; other stubs start on the next turn
     sent = asyncio.get_running_loop().create_future()
@@ -133,7 +134,7 @@ async def after_verify(s: Scheduler, plan: AheadPlan | None, vresp, batch: list[
     if vresp.ahead_sent:
         named = {it.request_id for it in plan.message.items}
         spec = [r for r in plan.spec if r.id in named]
-        preq = draft_pb2.ProposeRequest(collect_ahead_id=plan.message.ahead_id)
+        preq = draft_pb2.ProposeRequest(collect_ahead_id=plan.message.ahead_id, gateway_session=s.session)
         timeout, by_deadlines = call_budget(spec, s.draft_timeout)
 
         async def call():

@@ -62,7 +62,8 @@ class Scheduler(Ending):
         self.stats = SpecStats()
         self._wake = asyncio.Event()
         self._ids = itertools.count(1)
-        self._prefix = uuid.uuid4().hex[:8]    # several gateways may share one target
+        self.session = uuid.uuid4().hex        # this gateway process: the draft holds its requests while it calls
+        self._prefix = self.session[:8]        # several gateways may share one target
         self._held: list[GenRequest] = []      # in the Prefill or round now awaiting the services (a round may
                                                # admit more: late_admission)
         self.inflight = InFlight()             # the Prefill, re-sync or round awaited now (target_lost cuts it)

@@ -33,7 +33,8 @@ MISSES = 3
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 1000)]
 LOAD_FIELDS = {"kv_blocks_total", "kv_blocks_free", "running_requests",     # may differ after a restart
-               "hidden_transport", "bridge_generation", "prefix_cache_queries", "prefix_cache_hits", "local_lane"}
+               "hidden_transport", "bridge_generation", "prefix_cache_queries", "prefix_cache_hits", "local_lane",
+               "request_idle_s"}
 
 
 def info_changes(before: common_pb2.InfoResponse, now: common_pb2.InfoResponse) -> list[str]:
@@ -50,8 +51,9 @@ class ServiceWatch:
     differences from what the gateway serves, [] when none) and is then the reference."""
 
     def __init__(self, name: str, channel: grpc.aio.Channel, stub, info: common_pb2.InfoResponse | None,
-                 is_down, on_down, on_up, interval_s: float = WATCH_INTERVAL_S, first=None):
+                 is_down, on_down, on_up, interval_s: float = WATCH_INTERVAL_S, first=None, session: str = ""):
         self.name, self.stub, self.info, self.first = name, stub, info, first
+        self.session, self._keep_at = session, 0.0      # the draft's keepalive of this gateway's session
         self.health = health_pb2_grpc.HealthStub(channel)
         self.is_down, self.on_down, self.on_up, self.interval_s = is_down, on_down, on_up, interval_s
 
@@ -63,7 +65,9 @@ class ServiceWatch:
                 misses = 0 if why is None else misses + 1
                 if why is not None and (hard or misses >= MISSES):
                     self.on_down(why)
-                elif why is None and self.is_down():
+                elif why is None and not self.is_down():
+                    await self._keepalive()
+                elif why is None:
                     changed = await self._changed()
                     if changed is None:
                         self.on_up()
@@ -83,10 +87,24 @@ class ServiceWatch:
             return f"{self.name} health: {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}", True
         return None, False
 
+    async def _keepalive(self) -> None:
+        """GetInfo naming this gateway's session every quarter of the service's --request-idle-s (at most every
+        30 s): the draft releases the requests of a session silent that long (services/sessions.py), and a
+        request parked at k = 0 sees no Propose for as long as it runs."""
+        idle = self.info.request_idle_s if self.info is not None else 0.0
+        now = asyncio.get_running_loop().time()
+        if not self.session or idle <= 0 or now < self._keep_at:
+            return
+        self._keep_at = now + min(30.0, idle / 4)
+        try:
+            await self.stub.GetInfo(common_pb2.InfoRequest(gateway_session=self.session), timeout=CHECK_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            self._keep_at = now                           # the next check tries again
+
     async def _changed(self) -> list[str] | None:
         """None: the same model as at start; a list of differences; [] when GetInfo failed (retry)."""
         try:
-            now = await self.stub.GetInfo(common_pb2.InfoRequest(), timeout=CHECK_TIMEOUT_S)
+            now = await self.stub.GetInfo(common_pb2.InfoRequest(gateway_session=self.session), timeout=CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             return []
         changes = info_changes(self.info, now) if self.info is not None else self.first(now)
@@ -128,7 +146,7 @@ def start(scheduler, target: tuple, draft: tuple | None, mismatch=None) -> list[
     if draft is not None:
         tasks.append(asyncio.ensure_future(ServiceWatch("draft", *draft, lambda: av.degraded is not None,
                                                         scheduler.draft_lost, av.draft_answers,
-                                                        first=mismatch).run()))
+                                                        first=mismatch, session=scheduler.session).run()))
         if scheduler.transport != rows_pb2.TRANSPORT_INLINE:
             tasks.append(asyncio.ensure_future(watch_bridge(scheduler, target[1], draft[1], scheduler.transport)))
     return tasks

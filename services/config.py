@@ -52,9 +52,10 @@ FLAG_HELP = {
     "threads": "torch CPU threads. On a CPU the row count from which a GEMM gives each row its own bits is probed "
                "at this count (kernels/rows.cpu_gemm_rows: 4 on one thread, 16 on two on this project's CPU); "
                "where none holds it warns, and greedy K > 0 may part from K = 0 at a near-tie",
-    "request_idle_s": "target: release a request that no Prefill or Verify named for this many seconds (its gateway "
-                      "crashed, or its Release was lost: its KV blocks were held for good). A running request is "
-                      "named every round. 0: never",
+    "request_idle_s": "release what a gone gateway left (it crashed, or its Release was lost: the KV blocks were "
+                      "held for good). Target: a request no Prefill or Verify named for this many seconds (a running "
+                      "request is named every round). Draft: the requests of a gateway session that made no call "
+                      "this long (a live gateway calls at least every quarter of it). 0: never",
     "lane_spin_ms": "the local lane's reader polls without sleeping this long after each call before it blocks, so the "
                     "next round's call finds it awake (one CPU busy meanwhile). -1: 50 on CUDA, 0 on CPU (its cores "
                     "compute)",
@@ -75,7 +76,7 @@ class ServiceConfig:
     block_size: int = 16
     max_model_len: int = MAX_MODEL_LEN   # 0: the model's own (launch.context_limit caps it by model and cache)
     threads: int = 1                 # torch CPU threads when serving, on any device (a local cluster stays calm)
-    request_idle_s: float = 600.0    # target: a request no Prefill or Verify named this long is released (0: never)
+    request_idle_s: float = 600.0    # target: a request unnamed this long is released; draft: a silent session's (0: never)
     bridge_timeout_s: float = 10.0   # draft: how long Propose waits for a bridge frame
     bridge_ipc_mib: int = 256        # target: CUDA IPC ring of 8 slots (a slot: the largest transfer; larger go inline)
     tp: int = 1                      # tensor-parallel ranks (processes)

@@ -33,7 +33,8 @@ def service_info(cfg: ServiceConfig, engine, running: int, channel=None, lane: s
         num_nextn_predict_layers=mc.num_nextn_predict_layers, model_identity=model_identity(cfg.model),
         index_topk=mc.index_topk or 0, index_scoring=engine.cache.index_scoring or "",
         hidden_transport=transport, bridge_generation=generation, prefix_caching=engine.cache.pool.enabled,
-        prefix_cache_queries=engine.cache.pool.queries, prefix_cache_hits=engine.cache.pool.hits, local_lane=lane)
+        prefix_cache_queries=engine.cache.pool.queries, prefix_cache_hits=engine.cache.pool.hits, local_lane=lane,
+        request_idle_s=cfg.request_idle_s)
 
 
 def hello(cfg: ServiceConfig) -> dict:

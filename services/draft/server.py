@@ -13,6 +13,7 @@ from services.config import ServiceConfig
 from services.launch import run_service
 from services.ranks import RankGroup
 from services.servicer import STREAM_THREADS, EngineLock, ServicerBase
+from services.sessions import Sessions
 from services.draft.ahead import AheadStore, Joins
 from services.draft.engine import DraftEngine, ProposeItem
 from services.sampling import Sampling, TopQ
@@ -30,6 +31,7 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
         self.lock = EngineLock(self.release_now)
         self.ahead = AheadStore()                 # Proposes the target pushed a round ahead (ahead.py)
         self.joins = Joins()                      # ... and the joining requests' Proposes riding them
+        self.sessions = Sessions(cfg.request_idle_s)   # the gateways that hold requests here (services/sessions.py)
         self.hidden_size = group.engine.model.cfg.hidden_size
 
     def _item(self, it) -> ProposeItem:
@@ -92,6 +94,7 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
         return out, landed
 
     def Propose(self, request, context):
+        self.sessions.saw(request.gateway_session)      # (a collect computes nothing, yet its gateway is alive)
         try:
             if request.ride_ahead_id and (request.ahead_id or request.collect_ahead_id):
                 raise ServiceError("INVALID_ARGUMENT", "ride_ahead_id: a Propose riding a push is the gateway's own, "
@@ -140,7 +143,7 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
         if join is None:
             return self._propose(push, context)
         n, sets = len(push.items), len(push.hidden_rows)
-        both = draft_pb2.ProposeRequest(items=push.items,
+        both = draft_pb2.ProposeRequest(items=push.items, gateway_session=join.request.gateway_session,
                                         hidden_rows=list(push.hidden_rows) + list(join.request.hidden_rows))
         for it in join.request.items:
             both.items.add().CopyFrom(it)
@@ -166,7 +169,12 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
             # expired while waiting for the lock: do nothing. (A bridge pull, once asked for,
             # is never cut short by the deadline: a pull given up leaves the channel out of step.)
             grpc_server.time_left(context)
+            if gone := self.sessions.gone(self.engine.committed):
+                log.warning("releasing %d requests of gateway sessions silent for %.0f s (their gateway is gone?): "
+                            "%s", len(gone), self.sessions.idle_s, gone[:4])
+                self.release_now(gone)
             items = [self._item(it) for it in request.items]
+            self.sessions.saw(request.gateway_session, [it.request_id for it in items])
             expected = self.engine.expected_rows(items)
             t0 = time.perf_counter()
             with tracing.span("draft.transfer", rows=sum(expected.values())):
@@ -200,6 +208,10 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
 
     def running(self) -> int:
         return len(self.engine.committed)
+
+    def GetInfo(self, request, context):
+        self.sessions.saw(request.gateway_session)       # a gateway's keepalive (gateway/watch.py)
+        return super().GetInfo(request, context)
 
 
 def _landed(checks: list) -> None:
