@@ -117,8 +117,8 @@ def add_generation_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
     async def chat_completions(request: Request):
         req = await parse_body(gw, request, api.ChatRequest)
         check_model(gw, req.model)
-        text = api.render_chat(chat.template, req.messages, req.add_generation_prompt, chat.special,
-                               req.chat_template_kwargs)
+        text = await asyncio.to_thread(api.render_chat, chat.template, req.messages, req.add_generation_prompt,
+                                       chat.special, req.chat_template_kwargs)        # (Jinja: off the loop)
         ids = await asyncio.to_thread(gw.encode, text, False, "messages")
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(req, field)
@@ -165,12 +165,14 @@ def add_tokenizer_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("prompt", "give exactly one of prompt or messages")
         if req.messages is not None:
-            text = api.render_chat(chat.template, req.messages, req.add_generation_prompt, chat.special)
+            text = await asyncio.to_thread(api.render_chat, chat.template, req.messages, req.add_generation_prompt,
+                                           chat.special)
             ids = await asyncio.to_thread(gw.encode, text, bool(req.add_special_tokens), "messages", False)
         else:
             ids = await asyncio.to_thread(gw.encode, req.prompt, req.add_special_tokens is not False, "prompt", False)
-        return {"count": len(ids), "max_model_len": gw.limits.max_model_len, "tokens": ids,
-                "token_strs": [gw.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None}
+        return await json_off_loop(lambda: {
+            "count": len(ids), "max_model_len": gw.limits.max_model_len, "tokens": ids,
+            "token_strs": [gw.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None})
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -178,7 +180,7 @@ def add_tokenizer_routes(app: FastAPI, gw: Gateway, chat: ChatFormat) -> None:
         bad = [t for t in req.tokens if not 0 <= t < gw.limits.vocab_size]
         if bad:
             raise RequestError("tokens", f"tokens: id {bad[0]} is out of range, vocab_size is {gw.limits.vocab_size}")
-        return {"prompt": gw.decode(req.tokens)}
+        return await json_off_loop(lambda: {"prompt": gw.decode(req.tokens)})
 
 
 def add_operations_routes(app: FastAPI, gw: Gateway, metrics: GatewayMetrics, loop_task: asyncio.Future | None) -> None:
@@ -215,13 +217,26 @@ def add_operations_routes(app: FastAPI, gw: Gateway, metrics: GatewayMetrics, lo
 
 # --- what the generation routes share ----------------------------------------------------------------
 async def parse_body(gw: Gateway, request: Request, cls):
-    """The JSON body parsed into the request model `cls`; a RequestError (400, 413) when it is not one."""
+    """The JSON body parsed into the request model `cls`; a RequestError (400, 413) when it is not one. A chat of
+    more messages than the model has positions is refused before validation (each message takes at least one
+    token; validating 100k of them held the loop, and every stream, for half a second)."""
     raw = await read_limited(request, gw.limits.max_request_bytes)
     try:
         data = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: nested too deep
         raise RequestError(None, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
+    msgs = data.get("messages") if isinstance(data, dict) else None
+    if isinstance(msgs, list) and len(msgs) > gw.limits.max_model_len:
+        raise RequestError("messages", f"messages: {len(msgs)} messages cannot fit the model's context of "
+                                       f"{gw.limits.max_model_len} tokens")
     return api.parse(cls, data)
+
+
+async def json_off_loop(build) -> Response:
+    """A JSON response built and serialized on a worker thread (a /tokenize of a million tokens: its token
+    strings and its encoding are Python work that would otherwise stall every stream on the loop)."""
+    return Response(await asyncio.to_thread(lambda: json.dumps(build(), ensure_ascii=False, separators=(",", ":"))),
+                    media_type="application/json")
 
 
 def check_model(gw: Gateway, name: str | None) -> None:
