@@ -18,6 +18,9 @@ its health says SERVING and its GetInfo still describes the model this gateway s
 
 Back-pressure: at most `max_waiting` requests queue for a Prefill; beyond it new ones are refused
 (HTTP 429 / gRPC RESOURCE_EXHAUSTED).
+
+Shutdown (gateway/drain.py): while the gateway drains, new requests are refused (503 / UNAVAILABLE) and those
+it holds run on; once it stops, those left fail with UNAVAILABLE, as when the target is down.
 """
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ class Availability:
         self.resynced = 0                       # requests whose draft cache was rebuilt
         self.rejected: Counter = Counter()      # refused at admission, by reason
         self.on_target: list = []               # f(up: bool) on each change (the gateway's gRPC health mirrors it)
+        self.stopping: str | None = None        # why new requests are refused: the gateway drains (gateway/drain.py)
+        self.stopped = False                    # ... and now fails those it still holds
 
     # --- draft ----------------------------------------------------------------------------------
     def draft_failed(self, reason: str) -> None:
@@ -93,9 +98,18 @@ class Availability:
             for f in self.on_target:
                 f(True)
 
+    def failing_all(self) -> str | None:
+        """Why every request held must fail now (the target is down, the gateway stopped), or None."""
+        if self.target_down is not None:
+            return f"the target service is unavailable ({self.target_down})"
+        return self.stopping if self.stopped else None
+
     # --- admission ------------------------------------------------------------------------------
     def admit(self, n: int, waiting: int) -> tuple[grpc.StatusCode, str] | None:
         """None when n new requests may queue behind `waiting`, else the status to refuse them with."""
+        if self.stopping is not None:
+            self.rejected["shutting_down"] += n
+            return grpc.StatusCode.UNAVAILABLE, f"{self.stopping}; retry on another replica or later"
         if self.target_down is not None:
             self.rejected["target_unavailable"] += n
             return grpc.StatusCode.UNAVAILABLE, f"the target service is unavailable ({self.target_down}); retry later"

@@ -39,6 +39,7 @@ class GatewayConfig:
     hidden_transport: str = "auto"
     connect_timeout_s: float = 120.0         # the target must serve within it, else the gateway exits 1
     draft_wait_s: float = 120.0              # ... the draft: past it the gateway serves without drafts until it does
+    drain_timeout_s: float = 30.0            # at shutdown, requests held run this long before they fail (drain.py)
     http_port: int = 8000
     served_model_name: str = ""
     api_key: str = ""
@@ -96,6 +97,8 @@ class GatewayConfig:
             raise SystemExit(f"--model {self.model}: no tokenizer.json there")
         if min(self.max_prompt_tokens, self.max_output_tokens) < 0 or self.max_request_bytes < 1024:
             raise SystemExit("--max-prompt-tokens and --max-output-tokens must be >= 0, --max-request-bytes >= 1024")
+        if self.drain_timeout_s < 0:
+            raise SystemExit(f"tandem gateway: --drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if not (self.connect_timeout_s > 0 and self.draft_wait_s >= 0):
             raise SystemExit(f"tandem gateway: --connect-timeout must be > 0 and --draft-wait >= 0, got "
                              f"{self.connect_timeout_s} and {self.draft_wait_s}")
@@ -124,6 +127,9 @@ def add_service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-wait", dest="draft_wait_s", type=float, default=120.0, help="seconds to wait at start "
                    "for the draft to serve (at the same time as the target); past them the gateway serves without "
                    "drafts (plain decoding, /health: speculation degraded) and speculates once the draft answers")
+    p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=30.0, help="at SIGTERM (or SIGINT) "
+                   "refuse new requests and let those running finish for at most this many seconds; then, or at a "
+                   "second signal, they fail with UNAVAILABLE (an error event on REST streams)")
 
 
 def parse(argv) -> GatewayConfig:

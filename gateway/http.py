@@ -196,6 +196,8 @@ def add_operations_routes(app: FastAPI, gw: Gateway, metrics: GatewayMetrics, lo
             reasons.append(f"target unreachable ({info['target']})")
         elif avail.target_down is not None:         # answers GetInfo, not yet back for the gateway
             reasons.append(f"target unavailable ({avail.target_down})")
+        if avail.stopping is not None:
+            reasons.append(avail.stopping)
         body = {"status": "unavailable" if reasons else "ok", "model": gw.model_name,
                 "speculation": avail.speculation(), "hidden_transport": hidden_transport(gw.scheduler, info)}
         if isinstance(info.get("draft"), str):      # the gateway decodes without drafts meanwhile

@@ -268,7 +268,7 @@ def _availability(av, lab: list[str]):
         c.add_metric(lab, v)
         yield c
     c = CounterMetricFamily("tandem:requests_rejected", "Requests refused at admission, by reason "
-                            "(queue_full: 429; target_unavailable: 503)", labels=["model_name", "reason"])
-    for reason in ("queue_full", "target_unavailable"):
+                            "(queue_full: 429; target_unavailable, shutting_down: 503)", labels=["model_name", "reason"])
+    for reason in ("queue_full", "target_unavailable", "shutting_down"):
         c.add_metric(lab + [reason], av.rejected[reason])
     yield c

@@ -138,11 +138,12 @@ class Scheduler(Ending):
         self.inflight.cut(f"the target service is unavailable ({reason})")
 
     def _expire(self) -> None:
-        """Fail (and free) requests past their deadline, or all while the target is down; none is in a call."""
-        now, down = time.monotonic(), self.avail.target_down
+        """Fail (and free) requests past their deadline, or all while the target is down or the gateway stopped;
+        none is in a call."""
+        now, down = time.monotonic(), self.avail.failing_all()
         for r in self.waiting + self.prefilling + self.running:
             if down is not None:
-                self.fail(r, grpc.StatusCode.UNAVAILABLE, f"the target service is unavailable ({down})")
+                self.fail(r, grpc.StatusCode.UNAVAILABLE, down)
             elif r.deadline is not None and r.deadline <= now:
                 self.fail(r, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
         self.waiting = [r for r in self.waiting if not r.finished]

@@ -5,8 +5,8 @@ SIGINT/SIGTERM. The configuration and command line are gateway/config.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +19,9 @@ from tokenizers import Tokenizer
 from gateway.adaptive import AdaptivePolicy, FixedPolicy
 from gateway.auth import ApiKeyInterceptor
 from gateway.config import TRANSPORTS, GatewayConfig, parse
+from gateway import drain as drain_mod
 from gateway.core import Gateway, Limits, NoTokenizer
+from gateway.drain import drain
 from gateway.grpc_api import GenerateServicer
 from gateway.http_server import HttpServer
 from gateway.lanes import StreamedDraft, StreamedTarget
@@ -27,7 +29,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.scheduler import Scheduler
 from gateway import watch
 from infra import tls as tls_mod, tracing
-from infra.grpc_server import bind, channel_options, server_options
+from infra.grpc_server import bind, channel_options, server_options, stop_signals
 from tandem.v1 import common_pb2, draft_pb2_grpc, generate_pb2_grpc, target_pb2_grpc
 
 log = logging.getLogger("tandem.gateway")
@@ -167,6 +169,7 @@ async def serve(cfg: GatewayConfig) -> None:
     stats_task = (asyncio.ensure_future(metrics.log_periodically(cfg.stats_interval_s))
                   if cfg.stats_interval_s > 0 else None)
     def mirror(up: bool) -> None:             # gRPC health says what /health says of the target (a draft lost: SERVING)
+        up = up and scheduler.avail.stopping is None                # (draining: NOT_SERVING for good)
         status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", "tandem.v1.GenerateService"):
             asyncio.ensure_future(health.set(name, status))
@@ -176,13 +179,17 @@ async def serve(cfg: GatewayConfig) -> None:
              port, "https" if cfg.tls.cert else "http", cfg.host, http_port, cfg.model_name, cfg.num_speculative_tokens,
              cfg.speculation,
              "TLS" if cfg.tls.cert else "plaintext", "required" if cfg.key else "off")
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    stop, again = asyncio.Event(), asyncio.Event()
+    for sig in stop_signals():
+        asyncio.get_running_loop().add_signal_handler(sig, lambda: again.set() if stop.is_set() else stop.set())
     await asyncio.wait([asyncio.ensure_future(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
+    mirror(False)                             # a load balancer moves on; /health says 503 "shutting down"
+    await drain(scheduler, cfg.drain_timeout_s, again)
     await health.enter_graceful_shutdown()
     await http.shutdown()
     await server.stop(grace=2)
+    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.shield(http_task), timeout=drain_mod.SETTLE_S)   # responses end, not cut
     for t in (loop_task, stats_task, http_task, *watch_tasks):
         if t is not None:
             t.cancel()

@@ -3,6 +3,7 @@ status mapping and a clean stop on SIGINT/SIGTERM. (No torch here: the gateway m
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from concurrent import futures
@@ -70,12 +71,19 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
     log.info("serving %s on %s:%d (%s)", ", ".join(service_names), host, bound,
              "mutual TLS" if tls and tls.ca else "TLS" if tls and tls.cert else "plaintext")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in stop_signals():
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     health_servicer.enter_graceful_shutdown()
     server.stop(grace=2).wait()
     log.info("stopped")
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """SIGINT and SIGTERM; only SIGTERM under `tandem serve` (TANDEM_DIE_WITH_PARENT), whose Ctrl-C reaches every
+    process of the terminal's group at once: the supervisor stops them in order (the gateway drains first)."""
+    supervised = os.environ.get("TANDEM_DIE_WITH_PARENT") == "1"
+    return (signal.SIGTERM,) if supervised else (signal.SIGINT, signal.SIGTERM)
 
 
 class InternalErrors(grpc.ServerInterceptor):

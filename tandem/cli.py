@@ -66,6 +66,7 @@ def _die_with_parent() -> None:
     import ctypes
     import signal
     parent = os.getppid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)                   # Ctrl-C is the supervisor's (it stops us in order)
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)    # PR_SET_PDEATHSIG
     if os.getppid() != parent:                                     # it died before the line above
         raise SystemExit("tandem: the process that started this one has exited")

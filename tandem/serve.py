@@ -69,6 +69,8 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--rpc-timeout", type=float, default=60.0, help="gateway: seconds a Prefill or Verify may take")
     p.add_argument("--default-max-tokens", type=int, default=256, help="gateway: max_tokens of a gRPC or chat "
                    "request that sets none")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="at Ctrl-C / SIGTERM the gateway refuses new "
+                   "requests and lets those running finish for at most this many seconds before the services stop")
 
 
 def parse(argv):
@@ -237,7 +239,8 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                   "--max-request-bytes", str(a.max_request_bytes),
                                   "--max-waiting", str(a.max_waiting), "--service-calls", a.service_calls,
                                   "--draft-timeout", str(a.draft_timeout), "--rpc-timeout", str(a.rpc_timeout),
-                                  "--default-max-tokens", str(a.default_max_tokens)]
+                                  "--default-max-tokens", str(a.default_max_tokens),
+                                  "--drain-timeout", str(a.drain_timeout)]
                                  + ([] if a.busy_poll else ["--no-busy-poll"])
                                  + ([] if a.overlap_rounds else ["--no-overlap-rounds"])
                                  + ([] if a.propose_ahead else ["--no-propose-ahead"])
@@ -256,6 +259,8 @@ def main(argv=None) -> int:
 
     def stop(*_):
         nonlocal stopping
+        if stopping and (gw := sup.procs.get("gateway")) is not None and gw.poll() is None:
+            gw.terminate()                    # a second Ctrl-C: the gateway stops draining now
         stopping = True
 
     signal.signal(signal.SIGINT, stop)
@@ -277,5 +282,5 @@ def main(argv=None) -> int:
         while not stopping and sup.check(lambda: stopping):    # restarts what exits (tandem/supervise.py)
             time.sleep(0.2)
     finally:
-        sup.stop()
+        sup.stop(first_grace_s=a.drain_timeout + 10)
     return 0 if stopping else 1          # given up on a process past --max-restarts: a failure to its supervisor

@@ -125,14 +125,17 @@ class Supervisor:
             f"(restart {len(recent)} of at most {self.max_restarts} in {WINDOW_S:.0f}s)")
         return delay
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to all (gateway first: it holds the services' clients), then kill what remains."""
-        procs = list(reversed(self.procs.values()))
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    def stop(self, grace_s: float = 10.0, first: str = "gateway", first_grace_s: float = 40.0) -> None:
+        """SIGTERM to `first` (the gateway: it drains its requests, which need the services) and wait for it (at most
+        first_grace_s), then to the others; kill what remains after grace_s."""
+        procs = [self.procs[first]] if first in self.procs else []
+        procs = [procs, [p for name, p in reversed(self.procs.items()) if name != first]]
+        for group, wait_s in zip(procs, (first_grace_s, grace_s)):
+            for p in group:
+                if p.poll() is None:
+                    p.terminate()
+            for p in group:
+                try:
+                    p.wait(timeout=wait_s)
+                except subprocess.TimeoutExpired:
+                    p.kill()

@@ -1,0 +1,85 @@
+"""A gateway that is told to stop (SIGTERM; Ctrl-C outside `tandem serve`) drains: it refuses new requests at once
+(gRPC UNAVAILABLE / HTTP 503 naming the shutdown, /health 503), lets the requests it holds run to their end for at
+most --drain-timeout, then fails what is left with UNAVAILABLE, so a REST stream ends with an error event rather
+than a cut connection; it exits 0 and the services hold nothing after. (Found probing as an operator: every stop
+cut every stream mid-response, with no error event.)"""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from cluster import Cluster, Proc, free_ports, make_checkpoint, serve_module
+from tandem.v1 import generate_pb2 as gen, generate_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, request):
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("shutdown-ckpt") / "tiny", seed=9)
+    with Cluster(ckpt, k=2, log_dir=tmp_path_factory.mktemp("shutdown-logs")) as c:
+        yield from serve_module(c, request)
+
+
+def own_gateway(c: Cluster, name: str, drain_s: float):
+    """Another gateway on the cluster's services (not the cluster's: the test stops it) -> (Proc, stub, REST url)."""
+    gport, hport = free_ports(2)
+    cmd = list(c.procs[-1].cmd)
+    for flag, port in (("--grpc-port", gport), ("--http-port", hport)):
+        cmd[cmd.index(flag) + 1] = str(port)
+    p = Proc(name, cmd + ["--drain-timeout", str(drain_s)], f"127.0.0.1:{gport}", c.log_dir / f"{name}.log")
+    c._spawn(p)
+    c.procs.remove(p)                          # its exit is the test's, not a fault of the cluster
+    c.wait_serving(p, time.monotonic() + 60)
+    return p, generate_pb2_grpc.GenerateServiceStub(c.channel(p.addr)), f"http://127.0.0.1:{hport}"
+
+
+def request(n: int, prompt=(5, 6, 7)) -> gen.GenerateRequest:
+    return gen.GenerateRequest(token_ids=gen.TokenIds(ids=list(prompt)), max_tokens=n, ignore_eos=True)
+
+
+def test_sigterm_refuses_new_requests_and_lets_running_ones_finish(cluster):
+    p, stub, url = own_gateway(cluster, "gateway-drains", drain_s=120)
+    stream, got = stub.GenerateStream(request(300), timeout=300), []
+    got += next(iter(stream)).token_ids
+    p.popen.send_signal(signal.SIGTERM)
+    with pytest.raises(grpc.RpcError) as e:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:        # (the signal is handled within a moment)
+            stub.Generate(request(4, (8, 9)), timeout=30)
+            time.sleep(0.05)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details(), e.value
+    r = httpx.get(url + "/health", timeout=10)
+    assert r.status_code == 503 and "shutting down" in r.json()["reason"], r.text
+    for m in stream:                               # the request it held runs to its end
+        got += m.token_ids
+    assert len(got) == 300
+    assert p.popen.wait(timeout=30) == 0
+    cluster.wait_drained(timeout_s=30)
+
+
+def test_past_the_drain_timeout_a_rest_stream_ends_with_an_error_event(cluster):
+    p, stub, url = own_gateway(cluster, "gateway-stops", drain_s=1)
+    body = {"prompt": [11, 12, 13], "max_tokens": 1900, "ignore_eos": True, "stream": True, "temperature": 0}
+    events, signalled = [], threading.Event()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+            if len(events) == 3 and not signalled.is_set():
+                signalled.set()
+                p.popen.send_signal(signal.SIGTERM)
+    assert signalled.is_set() and events[-1] == "[DONE]", events[-3:]
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    assert len(errors) == 1 and errors[0]["code"] == "unavailable" and "shutting down" in errors[0]["message"], errors
+    texts = sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in events[:-2])
+    assert texts < 1900, "the stream should have been stopped by the shutdown, not run to its end"
+    assert p.popen.wait(timeout=30) == 0
+    cluster.wait_drained(timeout_s=30)
