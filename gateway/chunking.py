@@ -37,6 +37,8 @@ from gateway.stubs import CONTRACT_CODES, client_status
 from infra import tracing
 from tandem.v1 import draft_pb2, target_pb2
 
+SHARED_PROMPT_MIN = 32     # tokens: a shorter prompt's copies would wait a step for little or no cached block
+
 if TYPE_CHECKING:
     from gateway.scheduler import Scheduler
 
@@ -69,18 +71,32 @@ def admit_late(s: Scheduler, items: list[tuple[GenRequest, int]]) -> list[tuple[
 
 def _admit(s: Scheduler, out: list, room: int, left: int | None) -> list[tuple[GenRequest, int]]:
     """Waiting requests into the step's Prefill `out` while `room` and `left` (positions; None: no budget, whole
-    prompts) last -> out."""
-    while room > 0 and s.waiting and (left is None or left > 0):
-        r = s.waiting[0]
+    prompts) last -> out. A copy of a prompt being prefilled (n > 1, or the same request twice) waits for that
+    prefill, then finds the prompt in the target's prefix cache: computed once, not n times."""
+    i = 0
+    while room > 0 and i < len(s.waiting) and (left is None or left > 0):
+        r = s.waiting[i]
+        if r.after is not None and not r.after.finished and r.after.prefilled < len(r.after.prompt_ids):
+            i += 1                               # (behind it, others may go)
+            continue
         if left is not None and r.prompt_logprobs and out and len(r.context_ids) > left:
             break                                # scored whole: it waits for a step of its own
-        s.waiting.pop(0)
+        s.waiting.pop(i)
+        _copies_wait(s, r)
         s.prefilling.append(r)
         room -= 1
         n = 0 if left is None or r.prompt_logprobs else min(left, len(r.context_ids))
         out.append((r, n))
         left = None if left is None else left - (n or len(r.context_ids))
     return out
+
+
+def _copies_wait(s: Scheduler, r: GenRequest) -> None:
+    """Where the target caches prefixes: the waiting copies of r's prompt wait for r's prefill (GenRequest.after)."""
+    if s.share_prompts and len(r.prompt_ids) >= SHARED_PROMPT_MIN and not r.output_ids:
+        for q in s.waiting:
+            if q.after is None and not q.output_ids and q.prompt_ids == r.prompt_ids:
+                q.after = r
 
 
 def request(s: Scheduler, items: list[tuple[GenRequest, int]]) -> target_pb2.PrefillRequest:

@@ -92,6 +92,7 @@ class GenRequest:
     prefilled: int = 0                                       # prompt positions on the target (chunks so far)
     uncommitted: int = 0                                     # emitted by the last Verify, not yet committed
     preemptions: int = 0                                     # times the KV cache's room was taken back from it
+    after: "GenRequest | None" = None                        # the copy of its prompt it waits for (chunking.py)
 
     @property
     def seeded_sampling(self) -> bool:

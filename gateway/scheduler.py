@@ -45,6 +45,8 @@ class Scheduler(Ending):
     in-process objects with the same async methods. `run()` loops forever; `step()` is one pass:
     expire, re-sync, one Prefill (newcomers, chunks), one round."""
 
+    share_prompts = False      # the target caches prefixes: copies of a prompt wait for its prefill (chunking.py)
+
     def __init__(self, target: TargetStub, draft: DraftStub | None, eos_ids: set[int], max_batch: int = 64,
                  rpc_timeout_s: float = 60.0, transport: int = rows_pb2.TRANSPORT_UNSPECIFIED,
                  observer: Observer | None = None, draft_timeout_s: float = 10.0, max_waiting: int = 0, policy=None,

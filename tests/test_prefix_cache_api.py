@@ -93,3 +93,25 @@ def test_a_prompt_that_asked_no_drafts_reaches_the_drafts_prefix_cache_too(api_c
         assert hits[1] - hits[0] >= shared, (service, hits)
     model = load_model(TargetModel, api_cluster.ckpt)
     assert toks_b == greedy_generate(model, b, len(toks_b))
+
+
+def test_n_copies_of_a_prompt_are_prefilled_once(api_cluster):
+    """n = 8 choices of one 640-token prompt: the first copy is prefilled, the other seven wait for it and find the
+    prompt in both caches (the target's and the draft's hits move by 7 x its full blocks), and
+    the greedy choices are the model's. (Found probing as a user: the copies were prefilled side by side in one
+    step, none hitting the cache the first was filling: n = 16 cost 12.6x n = 1.)"""
+    g = torch.Generator().manual_seed(29)
+    prompt = torch.randint(3, 500, (640,), generator=g).tolist()
+    with httpx.Client(base_url=api_cluster.url, timeout=300) as http:
+        before = http.get("/metrics").text
+        r = http.post("/v1/completions", json={"model": api_cluster.model_name, "prompt": prompt, "max_tokens": 4,
+                                               "temperature": 0, "n": 8, "return_token_ids": True})
+        after = http.get("/metrics").text
+    assert r.status_code == 200, r.text
+    shared = (len(prompt) - 1) // BS * BS                            # (the last position is computed: its logits)
+    for service in ("target", "draft"):
+        hits = [counter(t, "prefix_cache_hits", service) for t in (before, after)]
+        assert hits[1] - hits[0] >= 7 * shared, (service, hits)
+    model = load_model(TargetModel, api_cluster.ckpt)
+    want = greedy_generate(model, prompt, 4)
+    assert [c["token_ids"] for c in r.json()["choices"]] == [want] * 8
