@@ -16,6 +16,7 @@ A refused connection is not a miss: the process is starting, or gone, which its 
 """
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -128,14 +129,18 @@ class Supervisor:
     def stop(self, grace_s: float = 10.0, first: str = "gateway", first_grace_s: float = 40.0) -> None:
         """SIGTERM to `first` (the gateway: it drains its requests, which need the services) and wait for it (at most
         first_grace_s), then to the others; kill what remains after grace_s."""
-        procs = [self.procs[first]] if first in self.procs else []
-        procs = [procs, [p for name, p in reversed(self.procs.items()) if name != first]]
-        for group, wait_s in zip(procs, (first_grace_s, grace_s)):
-            for p in group:
-                if p.poll() is None:
-                    p.terminate()
-            for p in group:
+        items = list(reversed(self.procs.items()))
+        groups = [[(n, p) for n, p in items if n == first], [(n, p) for n, p in items if n != first]]
+        for group, wait_s in zip(groups, (first_grace_s, grace_s)):
+            running = [(name, p) for name, p in group if p.poll() is None]
+            for _, p in running:
+                p.terminate()
+            for name, p in running:
                 try:
-                    p.wait(timeout=wait_s)
+                    code = p.wait(timeout=wait_s)
                 except subprocess.TimeoutExpired:
+                    log(f"{name} did not stop within {wait_s:.0f}s of SIGTERM: killing it")
                     p.kill()
+                    continue
+                if code not in (0, -signal.SIGTERM):
+                    log(f"{name} exited with code {code} while stopping")
