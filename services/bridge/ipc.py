@@ -22,11 +22,12 @@ from __future__ import annotations
 import atexit
 import json
 import time
-import uuid
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 import torch
+
+from services.bridge.segments import segment_name, sweep_orphans
 
 DEFAULT_CAPACITY = 256 << 20      # bytes over all slots
 DEFAULT_SLOTS = 8                 # transfers that may be outstanding at once (a round has 1-3)
@@ -50,7 +51,8 @@ class SlotHeaders:
     def __init__(self, slots: int, name: str | None = None):
         size = slots * 4 * 8
         if name is None:
-            self.shm = shared_memory.SharedMemory(name=f"tandem-ipc-{uuid.uuid4().hex[:16]}", create=True, size=size)
+            sweep_orphans("ipc")
+            self.shm = shared_memory.SharedMemory(name=segment_name("ipc"), create=True, size=size)
             self.owner = True
         else:
             self.shm = shared_memory.SharedMemory(name=name)

@@ -19,12 +19,12 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import uuid
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
 from services.bridge.ipc import DEFAULT_SLOTS, SlotHeaders
+from services.bridge.segments import segment_name, sweep_orphans
 
 DEFAULT_SHM_CAPACITY = 32 << 20   # bytes over all slots: 4 MiB a frame (4096 rows of hidden 256 in fp32)
 
@@ -47,7 +47,8 @@ class ShmSender:
         if capacity < slots or slots < 1:
             raise ValueError(f"shared-memory ring: {slots} slots in {capacity} bytes")
         self.slots, self.slot_bytes = slots, capacity // slots
-        self.shm = shared_memory.SharedMemory(name=f"tandem-rows-{uuid.uuid4().hex[:16]}", create=True,
+        sweep_orphans("rows")
+        self.shm = shared_memory.SharedMemory(name=segment_name("rows"), create=True,
                                               size=slots * self.slot_bytes)
         self.buf = torch.frombuffer(self.shm.buf, dtype=torch.uint8)              # [slots * slot_bytes]
         self.buf.zero_()                     # touch every page now: a /dev/shm too small fails here, not later
