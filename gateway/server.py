@@ -19,9 +19,8 @@ from tokenizers import Tokenizer
 from gateway.adaptive import AdaptivePolicy, FixedPolicy
 from gateway.auth import ApiKeyInterceptor
 from gateway.config import TRANSPORTS, GatewayConfig, parse
-from gateway import drain as drain_mod
 from gateway.core import Gateway, Limits, NoTokenizer
-from gateway.drain import drain
+from gateway.drain import SETTLE_S, drain
 from gateway.grpc_api import GenerateServicer
 from gateway.http_server import HttpServer
 from gateway.lanes import StreamedDraft, StreamedTarget
@@ -190,7 +189,7 @@ async def serve(cfg: GatewayConfig) -> None:
     await http.shutdown()
     await server.stop(grace=2)
     with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-        await asyncio.wait_for(asyncio.shield(http_task), timeout=drain_mod.SETTLE_S)   # responses end, not cut
+        await asyncio.wait_for(asyncio.shield(http_task), timeout=SETTLE_S)   # responses end, not cut
     for t in (loop_task, stats_task, http_task, *watch_tasks):
         if t is not None:
             t.cancel()

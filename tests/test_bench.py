@@ -232,7 +232,7 @@ def test_cuda_graph_scratch_block_is_not_reported_as_used():
     from services.servicer import service_info
     te, _ = make_engines(TINY)
     te.forward = GraphedForward(te.model, te.cache, te.model.cfg.hidden_size, torch.float32, te.max_model_len)
-    info = service_info(SimpleNamespace(model=TINY), te, 0)
+    info = service_info(SimpleNamespace(model=TINY, request_idle_s=600.0), te, 0)
     assert info.kv_blocks_free == info.kv_blocks_total == te.cache.num_blocks - 1
 
 
