@@ -71,8 +71,8 @@ def admit_late(s: Scheduler, items: list[tuple[GenRequest, int]]) -> list[tuple[
 
 def _admit(s: Scheduler, out: list, room: int, left: int | None) -> list[tuple[GenRequest, int]]:
     """Waiting requests into the step's Prefill `out` while `room` and `left` (positions; None: no budget, whole
-    prompts) last -> out. A copy of a prompt being prefilled (n > 1, or the same request twice) waits for that
-    prefill, then finds the prompt in the target's prefix cache: computed once, not n times."""
+    prompts) last -> out. Where the target caches prefixes, a copy of a prompt being prefilled (n > 1, or the same
+    request twice) waits for that prefill, then finds the prompt in the caches: computed once, not n times."""
     i = 0
     while room > 0 and i < len(s.waiting) and (left is None or left > 0):
         r = s.waiting[i]

@@ -6,6 +6,9 @@ MAX_NUM_BATCHED_TOKENS = 2048   # prompt positions a gateway step prefills (gate
 MAX_DRAFT_TOKENS = 16           # the most a request may ask for (services: --max-draft-tokens)
 DRAFT_Q_MASS = 0.99             # a sampled draft samples from its distribution's top tokens of this mass
 DRAFT_Q_WIDTH = 1024            # (at most this many) and sends only those: kernels/noise.py top_mass
+# `tandem serve` starts each child with this set to "1": it ends when the supervisor dies (even by SIGKILL), and
+# the terminal's Ctrl-C is the supervisor's, which stops the children in order (tandem/cli.py, infra/grpc_server.py)
+DIE_WITH_PARENT = "TANDEM_DIE_WITH_PARENT"
 MAX_MODEL_LEN = 0               # context a request may use (target, draft, `tandem serve`); 0: the model's
                                 # max_position_embeddings; never more than the model's or the KV cache's
 

@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from infra.defaults import DIE_WITH_PARENT
+
 log = logging.getLogger("tandem.grpc")
 MAX_MESSAGE_BYTES = 256 << 20
 
@@ -80,9 +82,9 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
 
 
 def stop_signals() -> tuple[signal.Signals, ...]:
-    """SIGINT and SIGTERM; only SIGTERM under `tandem serve` (TANDEM_DIE_WITH_PARENT), whose Ctrl-C reaches every
+    """SIGINT and SIGTERM; only SIGTERM under `tandem serve` (DIE_WITH_PARENT), whose Ctrl-C reaches every
     process of the terminal's group at once: the supervisor stops them in order (the gateway drains first)."""
-    supervised = os.environ.get("TANDEM_DIE_WITH_PARENT") == "1"
+    supervised = os.environ.get(DIE_WITH_PARENT) == "1"
     return (signal.SIGTERM,) if supervised else (signal.SIGINT, signal.SIGTERM)
 
 

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from infra.defaults import DIE_WITH_PARENT
 from infra.help import DefaultsHelp
 
 
@@ -61,7 +62,7 @@ def _own_kernels() -> None:
 def _die_with_parent() -> None:
     """Started by `tandem serve` (or a service's rank 0: the variable is inherited): SIGTERM when the process that
     started this one dies, even killed with SIGKILL, so nothing is left holding the cluster's ports (Linux)."""
-    if os.environ.get("TANDEM_DIE_WITH_PARENT") != "1" or not sys.platform.startswith("linux"):
+    if os.environ.get(DIE_WITH_PARENT) != "1" or not sys.platform.startswith("linux"):
         return
     import ctypes
     import signal

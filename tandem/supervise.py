@@ -26,6 +26,8 @@ from collections import defaultdict
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from infra.defaults import DIE_WITH_PARENT
+
 BASE_S = 1.0
 CAP_S = 30.0
 WINDOW_S = 600.0
@@ -40,7 +42,6 @@ def log(msg: str) -> None:
     print(f"tandem: {msg}", file=sys.stderr, flush=True)
 
 
-DIE_WITH_PARENT = "TANDEM_DIE_WITH_PARENT"     # a child started so ends when this supervisor dies, even by SIGKILL
 
 class HangProbe:
     """Checks one service's gRPC health every PROBE_INTERVAL_S on a thread of its own; `hung` says why
