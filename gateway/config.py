@@ -60,6 +60,7 @@ class GatewayConfig:
     overlap_rounds: bool = True              # the next round's Propose goes out before this round commits
     propose_ahead: bool = True               # ... from the target, named in the Verify (gateway/proposals.py)
     join_ahead: bool = True                  # joining requests' first Propose computed in that push's pass
+    early_propose: bool = True               # that push sent as the Verify's acceptance is queued (draft/early.py)
     mixed_prefill: bool = True               # a step's Prefill rides its round's Verify: one forward (gateway/chunking.py)
     late_admission: bool = False             # requests arriving while a round waits for its drafts ride its Verify
     busy_poll: bool = True                   # the loop polls, never sleeps, while a Verify / Propose is out
@@ -156,6 +157,10 @@ def parse(argv) -> GatewayConfig:
     p.add_argument("--no-join-ahead", dest="join_ahead", action="store_false", help="send the first Propose of "
                    "requests that joined as a Verify answered after that Verify's push, a second pass of the draft "
                    "(default: it rides the push and the draft computes both in one: gateway/proposals.py join)")
+    p.add_argument("--no-early-propose", dest="early_propose", action="store_false", help="let the target send "
+                   "the next round's Propose once its host has read the Verify's acceptance (default: as soon as the "
+                   "acceptance is queued on the GPU, with it on the bridge ring, so the draft's first step runs right "
+                   "behind the Verify: services/draft/early.py)")
     p.add_argument("--no-mixed-prefill", dest="mixed_prefill", action="store_false", help="prefill new prompts in "
                    "a call of their own before the round (default: while requests run, the step's Prefill rides the "
                    "round's Verify and the target computes both in one forward: gateway/chunking.py)")

@@ -170,6 +170,8 @@ class _Collector:
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted", st.num_accepted_tokens),
                 ("spec_decode_proposals_ahead", "Rounds whose Propose the target sent the draft from the round "
                  "before's Verify (gateway/proposals.py)", s.ahead_rounds),
+                ("spec_decode_proposals_early", "Of those, Proposes the target sent as the Verify's acceptance was "
+                 "queued, before its host read it (services/draft/early.py)", s.early_rounds),
                 ("spec_decode_joins_with_ahead", "First Proposes of joining requests the draft computed in one pass "
                  "with the round's Propose sent ahead (gateway/proposals.py join)", s.joins_ahead),
                 ("num_prefills_in_verify", "Prefills (new prompts, chunks) that rode a round's Verify, one forward "

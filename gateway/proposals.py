@@ -121,8 +121,9 @@ def plan_ahead(s: Scheduler, batch: list[GenRequest], drafts: dict, vreq: target
         if k < 1 or r.draft.pending or r.draft.position == 0:     # (tokens the Verify does not carry)
             return plan
         items.append(target_pb2.AheadItem(request_id=r.id, num_draft_tokens=k, position=r.draft.position))
+    join = s.join_ahead and bool(s.riding)                                   # (a join rides it: sent after)
     plan.message = target_pb2.ProposeAhead(ahead_id=f"{s.new_id()}-ahead", draft_lane=lane, items=items,
-                                           expect_join=s.join_ahead and bool(s.riding))   # (join rides it)
+                                           expect_join=join, early=s.early_propose and not join)
     vreq.ahead.CopyFrom(plan.message)
     return plan
 
@@ -144,6 +145,7 @@ async def after_verify(s: Scheduler, plan: AheadPlan | None, vresp, batch: list[
         s.proposing.append(p)
         p.task.add_done_callback(lambda _: _answered(s, p))
         s.ahead_rounds += 1
+        s.early_rounds += vresp.ahead_early
         return p
     ends = {r.id for r, res in zip(batch, vresp.results) if r.ends_at_commit or not r.ignore_eos
             and not s.eos.isdisjoint(res.emitted_token_ids)}

@@ -46,6 +46,7 @@ class Scheduler(Ending):
     expire, re-sync, one Prefill (newcomers, chunks), one round."""
 
     share_prompts = False      # the target caches prefixes: copies of a prompt wait for its prefill (chunking.py)
+    early_propose = True       # a push may leave before the target reads its acceptance (proposals.plan_ahead)
 
     def __init__(self, target: TargetStub, draft: DraftStub | None, eos_ids: set[int], max_batch: int = 64,
                  rpc_timeout_s: float = 60.0, transport: int = rows_pb2.TRANSPORT_UNSPECIFIED,
@@ -80,7 +81,7 @@ class Scheduler(Ending):
         self.planned = False                               # the last round planned the next: nobody to send
         self.proposing: list[proposals.Proposal] = []      # Proposes not yet answered
         self._round_end, self._off_round = 0.0, 0.0        # the last round's end; calls between rounds since
-        self.preemptions = self.freed = self.ahead_rounds = 0   # requests preempted, ended; Proposes sent ahead
+        self.preemptions = self.freed = self.ahead_rounds = self.early_rounds = 0   # preempted, ended; pushes, early
         self.joins_ahead = 0                                    # joins computed in one pass with a push
         self.mixed_prefills = 0                                 # Prefills that rode a Verify
         self.late_admissions = 0                                # requests admitted into one while it waited

@@ -152,7 +152,7 @@ async def serve(cfg: GatewayConfig) -> None:
                           mixed_prefill=cfg.mixed_prefill, late_admission=cfg.late_admission,
                           policy=AdaptivePolicy(cfg.num_speculative_tokens, cfg.adaptive_reprobe_rounds)
                           if cfg.speculation == "adaptive" else FixedPolicy(cfg.num_speculative_tokens))
-    scheduler.share_prompts = info.prefix_caching
+    scheduler.share_prompts, scheduler.early_propose = info.prefix_caching, cfg.early_propose
     if svc.draft is not None and svc.dinfo is None:
         scheduler.draft_lost(f"the draft at {cfg.draft_addr} has not served since the gateway started")
     metrics.attach(scheduler, svc.stubs)

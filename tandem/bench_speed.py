@@ -47,12 +47,12 @@ from tandem.v1 import generate_pb2_grpc
 
 VARIANTS = {"serial": ["--no-overlap-rounds"], "no-ahead": ["--no-propose-ahead"], "no-busy-poll": ["--no-busy-poll"],
             "no-mixed": ["--no-mixed-prefill"], "no-join": ["--no-join-ahead"], "late": ["--late-admission"],
-            "halves": []}
+            "accept-first": ["--no-early-propose"], "halves": []}
 
 
 def mode_args(mode: str) -> list[str]:
     """The gateway flags of a --speculation mode: fixed | adaptive, then any of /serial, /no-ahead, /no-busy-poll,
-    /no-mixed, /no-join, /late and /halves (no flag: two gateways, tandem/bench_served.py)."""
+    /no-mixed, /no-join, /late, /accept-first and /halves (no flag: two gateways, tandem/bench_served.py)."""
     base, *variants = mode.split("/")
     if base not in ("fixed", "adaptive") or any(v not in VARIANTS for v in variants):
         raise SystemExit(f"--speculation: fixed or adaptive, each optionally followed by any of /{', /'.join(VARIANTS)}; "
@@ -84,7 +84,7 @@ def parse(argv):
                    "--ks chosen per request and round), or fixed,adaptive: both, a gateway each on one target and "
                    "draft; /serial after a mode runs its gateway with --no-overlap-rounds (e.g. fixed,fixed/serial), "
                    "/no-ahead with --no-propose-ahead, /no-busy-poll with --no-busy-poll, /no-mixed with "
-                   "--no-mixed-prefill, /no-join with --no-join-ahead, /late with --late-admission; /halves runs "
+                   "--no-mixed-prefill, /no-join with --no-join-ahead, /late with --late-admission, /accept-first with --no-early-propose; /halves runs "
                    "the mode on two gateways, each with half the clients, so the services alternate between two "
                    "micro-batches "
                    "(e.g. fixed/no-busy-poll,fixed/halves/no-busy-poll)")

@@ -34,7 +34,8 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def push(sel
 
 
 GATEWAYS = [{"name": "ahead"}, {"name": "sent", "args": ["--no-propose-ahead"]}, {"name": "plain", "k": 0},
-            {"name": "nojoin", "args": ["--no-join-ahead"]}, {"name": "inline", "hidden_transport": "inline"}]
+            {"name": "nojoin", "args": ["--no-join-ahead"]}, {"name": "inline", "hidden_transport": "inline"},
+            {"name": "acceptfirst", "args": ["--no-early-propose"]}]
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,8 @@ def test_proposes_sent_ahead_change_no_output(cluster):
      "needs ahead_id"),
     (dict(ahead_id="a", draft_lane="some-other-socket", items=[target_pb2.AheadItem(request_id="r", num_draft_tokens=1)]),
      "ahead.draft_lane: a draft's local lane"),
+    (dict(ahead_id="a", draft_lane=LANE, items=[target_pb2.AheadItem(request_id="r", num_draft_tokens=1)], early=True,
+          expect_join=True), "early and expect_join are both set"),
 ])
 def test_an_ahead_that_cannot_be_sent_is_invalid_argument(cluster, ahead, field):
     req = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(request_id="r")], return_hidden_rows=True,
@@ -103,6 +106,17 @@ def test_an_ahead_that_cannot_be_sent_is_invalid_argument(cluster, ahead, field)
         cluster.target.Verify(req, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ahead" in e.value.details()
     assert field in e.value.details(), e.value.details()
+
+
+def test_an_early_propose_without_its_rows_on_the_bridge_is_invalid_argument(cluster):
+    inline = rows_pb2.HiddenRows(request_ids=["r"], rows_per_request=[2], num_rows=2, transport=rows_pb2.TRANSPORT_INLINE)
+    for sets in ([], [inline]):
+        with pytest.raises(grpc.RpcError) as e:
+            cluster.draft.Propose(draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
+                request_id="r", num_draft_tokens=1, position=3)], hidden_rows=sets, acceptance_transfer_id=7), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert f"acceptance_transfer_id: an early Propose has one rows set, on the bridge, every verified row; got " \
+               f"{len(sets)} sets" in e.value.details()
 
 
 def staggered(gw, max_tokens: int = 96) -> list[tuple[list[int], int, int]]:
@@ -147,6 +161,24 @@ def test_the_rows_a_verify_pushes_are_the_rows_sent_inline(request, transport):
         got = outputs(ahead, sampled)
         assert got == outputs(inline, sampled) and sum(a for _, _, a in got) > 0
         assert sum(d - a for _, d, a in got) > 0, "no draft was rejected: the rows after the committed went unused"
+
+
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_a_push_sent_before_the_acceptance_changes_no_output(request, transport):
+    """On a ring the target pushes the next round's Propose as its Verify's acceptance is queued, the acceptance on
+    the ring beside every verified row, and the draft steps over all of them before reading it
+    (services/draft/early.py): the same drafts as a push sent after the acceptance (--no-early-propose), so the same
+    tokens and acceptance request by request, greedy and seeded sampled. Over gloo (no ring) none goes early."""
+    cluster = request.getfixturevalue("cluster" if transport == "auto" else "gloo_cluster")
+    now, after = (next(g for g in cluster.gateways if g.name == n) for n in ("ahead", "acceptfirst"))
+    before = ahead_rounds(now, "spec_decode_proposals_early")
+    for sampled in (False, True):
+        got = outputs(now, sampled)
+        assert got == outputs(after, sampled) and sum(a for _, _, a in got) > 0
+        assert sum(d - a for _, d, a in got) > 0, "no draft was rejected: no row past the accepted was rolled back"
+    early = ahead_rounds(now, "spec_decode_proposals_early") - before
+    assert early > 0 if transport == "auto" else early == 0, early
+    assert ahead_rounds(after, "spec_decode_proposals_early") == 0 < ahead_rounds(after)
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ from infra.errors import ServiceError
 from tandem.v1 import rows_pb2 as pb
 
 CONTRACT_VERSION = "tandem.v1/hidden-rows-1"
-DTYPE_TO_PB = {torch.float32: pb.DTYPE_FLOAT32, torch.bfloat16: pb.DTYPE_BFLOAT16, torch.float16: pb.DTYPE_FLOAT16}
+DTYPE_TO_PB = {torch.float32: pb.DTYPE_FLOAT32, torch.bfloat16: pb.DTYPE_BFLOAT16, torch.float16: pb.DTYPE_FLOAT16,
+               torch.int64: pb.DTYPE_INT64}              # int64: a Verify's acceptance frame (draft/early.py)
 PB_TO_DTYPE = {v: k for k, v in DTYPE_TO_PB.items()}
 
 

@@ -23,6 +23,7 @@ from models.kv_cache import CacheFullError, PagedKVCache
 from infra.defaults import DRAFT_Q_MASS, DRAFT_Q_WIDTH, MAX_DRAFT_TOKENS
 from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
+from services.draft import early
 from kernels.noise import choose, draw_keys, top_mass
 from services.sampling import Sampling, TopQ, noise_seed
 
@@ -142,6 +143,12 @@ class DraftEngine:
         finally:
             if seal:
                 self.seal()
+        return [(d, _stacked(p)) for d, p in zip(drafts, probs)]
+
+    def propose_early(self, items: list[ProposeItem], rows: torch.Tensor, verified: list[int], frame: torch.Tensor,
+                      frame_rows: list[int], seal: bool = True):
+        """A Propose pushed before the target read its acceptance (services/draft/early.py) -> as propose."""
+        drafts, probs = early.propose_early(self, items, rows, verified, frame, frame_rows, seal)
         return [(d, _stacked(p)) for d, p in zip(drafts, probs)]
 
     def seal(self) -> None:

@@ -15,6 +15,7 @@ from services.ranks import RankGroup
 from services.servicer import STREAM_THREADS, EngineLock, ServicerBase
 from services.sessions import Sessions
 from services.draft.ahead import AheadStore, Joins
+from services.draft import early
 from services.draft.engine import DraftEngine, ProposeItem
 from services.sampling import Sampling, TopQ
 from infra import grpc_server, tracing
@@ -175,6 +176,8 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
                 self.release_now(gone)
             items = [self._item(it) for it in request.items]
             self.sessions.saw(request.gateway_session, [it.request_id for it in items])
+            if request.acceptance_transfer_id:
+                return self._early(request, items)
             expected = self.engine.expected_rows(items)
             t0 = time.perf_counter()
             with tracing.span("draft.transfer", rows=sum(expected.values())):
@@ -190,6 +193,46 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
                 not_held = [it.request_id in self.engine.not_held for it in items]
             done = time.perf_counter()
         return draft_pb2.ProposeResponse(results=[_result(d, q, n) for (d, q), n in zip(results, not_held)],
+            transfer_seconds=transfer_s, timing=rows_pb2.CallTiming(
+                transfer_seconds=transfer_s, compute_seconds=done - t0 - transfer_s, handler_seconds=done - t0))
+
+    def _early(self, request, items: list[ProposeItem]) -> draft_pb2.ProposeResponse:
+        """A push sent before the target read its acceptance (services/draft/early.py): one rows set on the bridge
+        with every verified row, and the acceptance frame beside it."""
+        desc = request.hidden_rows[0] if len(request.hidden_rows) == 1 else None
+        if desc is None or desc.transport != rows_pb2.TRANSPORT_BRIDGE or desc.layout != rows_pb2.ROW_LAYOUT_FULL \
+                or desc.used_rows_per_request or self.channel is None or any(it.rows_set > 1 for it in request.items):
+            raise ServiceError("INVALID_ARGUMENT", "acceptance_transfer_id: an early Propose has one rows set, on "
+                               f"the bridge, every verified row; got {len(request.hidden_rows)} sets"
+                               + ("" if self.channel else " (this draft runs with --hidden-transport inline)"))
+        check(desc, {}, self.hidden_size, self.engine.model.lm_head.weight.dtype)
+        at = {rid: i for i, rid in enumerate(desc.request_ids)}
+        verified = [desc.rows_per_request[at[it.request_id]] if it.request_id in at else 0 for it in items]
+        early.check_items(self.engine, items, verified, self.cfg.max_draft_tokens)
+        t0, tid = time.perf_counter(), desc.transfer_id
+        try:
+            rows, rows_landed = self.channel.take_later(tid, self.cfg.bridge_timeout_s,
+                                                        f"hidden_rows[0] (bridge transfer {tid})")
+            check_payload(desc, rows)
+            frame, frame_landed = self.channel.take_later(request.acceptance_transfer_id, self.cfg.bridge_timeout_s, "")
+        except TimeoutError as e:
+            raise ServiceError("UNAVAILABLE", str(e)) from None
+        except LookupError as e:
+            raise ServiceError("NOT_FOUND", str(e)) from None
+        ids = [it.request_id for it in items]
+        if ids != list(desc.request_ids):                       # a subset, or another order: the items' rows
+            per = rows_by_request(desc, rows)
+            rows = torch.cat([per[r] for r in ids])
+        landed = [c for c in (rows_landed, frame_landed) if c is not None]
+        transfer_s = time.perf_counter() - t0
+        with tracing.span("draft.propose", requests=len(items), early=True):
+            results = self.group.call(DraftEngine.propose_early, items, rows, verified, frame,
+                                      [at[r] for r in ids], not landed)
+            if landed:
+                _landed(landed)
+                self.group.call(DraftEngine.seal)
+        done = time.perf_counter()
+        return draft_pb2.ProposeResponse(results=[_result(d, q, False) for d, q in results],
             transfer_seconds=transfer_s, timing=rows_pb2.CallTiming(
                 transfer_seconds=transfer_s, compute_seconds=done - t0 - transfer_s, handler_seconds=done - t0))
 

@@ -38,6 +38,9 @@ def check(request: target_pb2.VerifyRequest) -> None:
                            f"{ahead.draft_lane[:80]!r}")
     if not request.return_hidden_rows:
         raise ServiceError("INVALID_ARGUMENT", "ahead: the draft needs the Verify's rows; return_hidden_rows is false")
+    if ahead.early and ahead.expect_join:
+        raise ServiceError("INVALID_ARGUMENT", "ahead: early and expect_join are both set; a join rides a push sent "
+                           "after the acceptance")
     names = {it.request_id for it in request.items}
     seen = set()
     for it in ahead.items:
@@ -58,12 +61,15 @@ class AheadSender:
         self.socks: dict[str, socket.socket] = {}     # lane -> connection, the most recently used last
         self.unreachable: set[str] = set()            # lanes that did not connect (at most MAX_LANES kept)
 
-    def send(self, ahead: target_pb2.ProposeAhead, emitted: dict[str, list[int]], rows) -> bool:
-        """Propose `ahead`'s items with their emitted tokens and the Verify's row set `rows` -> written."""
+    def send(self, ahead: target_pb2.ProposeAhead, emitted: dict[str, list[int]] | None, rows,
+             acceptance_tid: int = 0) -> bool:
+        """Propose `ahead`'s items with their emitted tokens and the Verify's row set `rows` -> written. emitted
+        None: sent before the acceptance reached the host, which is bridge transfer acceptance_tid (ahead.early)."""
         request = draft_pb2.ProposeRequest(
             ahead_id=ahead.ahead_id, expect_join=ahead.expect_join, hidden_rows=[rows], items=[draft_pb2.ProposeItem(
-                request_id=it.request_id, new_token_ids=emitted[it.request_id], num_draft_tokens=it.num_draft_tokens,
-                position=it.position, rows_set=1) for it in ahead.items])
+                request_id=it.request_id, new_token_ids=emitted[it.request_id] if emitted else (),
+                num_draft_tokens=it.num_draft_tokens, position=it.position, rows_set=1) for it in ahead.items],
+            acceptance_transfer_id=acceptance_tid)
         lane = ahead.draft_lane
         sock = self.socks.pop(lane, None)
         if sock is None and (lane in self.unreachable or (sock := self._connect(lane)) is None):

@@ -20,7 +20,7 @@ from infra.errors import ServiceError
 from services.bridge.rows import expect_rows
 from services.sampling import Sampling, TopQ, noise_seed
 from services.target import prefill as plan
-from services.target.synthetic import STREAM as SYNTHETIC_STREAM, synthetic_accept
+from services.target.synthetic import STREAM as SYNTHETIC_STREAM, synthetic_counts, synthetic_emitted
 from services.target.verify_io import (PrefillStep, Prefilled, Verified, check_q, draws, round_inputs,
                                        target_probs, token_logprobs)
 
@@ -45,6 +45,7 @@ class TargetEngine:
     synthetic_acceptance: tuple[float, ...] | None = None   # BENCHMARK ONLY: services/target/synthetic.py
     # rank 0 of a service with a bridge: (transfer id, a Verify's rows [N, D]) -> the rows sent (a copy), or None
     push_rows: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None
+    push_acceptance: Callable[[torch.Tensor], None] | None = None   # after push_rows: the acceptance [B, K+2], queued
 
     def graphs_enabled(self, warmup_batch: int = 0) -> None:
         """CUDA graphs are on (services/launch.py): compile the acceptance kernels now for every draft count a
@@ -195,11 +196,12 @@ class TargetEngine:
         V, dev = self.vocab_size, self.cache.device        # acceptance runs where the logits are (Triton on CUDA)
         k, starts, drafts, k_dev, idx = round_inputs([d for _, d, _ in items], dev)   # queued behind the step
         logits = self.model.compute_logits(hidden)                               # [N, V]
-        synthetic = []                                                          # BENCHMARK ONLY: its inputs
         if all(r.sampling.greedy for r in reqs):
             both, target = greedy_accept(logits, idx, drafts, k_dev)             # [B, K+2]: accepted | emitted
-            if self.synthetic_acceptance is not None and K:                       # K = 0: nothing to accept
-                synthetic = [target, drafts]
+            if self.synthetic_acceptance is not None and K:     # BENCHMARK ONLY, K = 0: nothing to accept
+                a = torch.from_numpy(synthetic_counts(k, K, self.synthetic_acceptance, [r.synthetic for r in reqs]))
+                a = a.to(dev, non_blocking=True)                                  # (drawn on the host, as before)
+                both = torch.cat([a[:, None], synthetic_emitted(target, drafts, a)], 1)
         else:
             p = target_probs(logits, [r.sampling for (_, d, _), r in zip(items, reqs) for _ in range(len(d) + 1)])
             p = p[idx] * (torch.arange(K + 1)[None, :] <= k[:, None]).to(dev)[..., None]   # [B, K+1, V]: rows <= k
@@ -216,11 +218,10 @@ class TargetEngine:
             else:
                 accepted, emitted = rejection_sample(p, q, drafts, k_dev, *draws(reqs, K, self.vocab_size, dev))
             both = torch.cat([accepted.view(B, 1).long(), emitted.long()], 1)      # [B, K+2]
-        both = (torch.cat([both, *synthetic], 1) if synthetic else both).cpu()    # the one device-to-host copy
+        if pushed is not None and self.push_acceptance is not None:   # the next Propose, before the sync
+            self.push_acceptance(both)
+        both = both.cpu()                                                         # the one device-to-host copy
         accepted, emitted = both[:, 0], both[:, 1:K + 2]
-        if synthetic:                                      # BENCHMARK ONLY: after the real forward and check
-            accepted, emitted = synthetic_accept(both[:, K + 2:2 * K + 3], both[:, 2 * K + 3:], k,
-                                                 self.synthetic_acceptance, [r.synthetic for r in reqs])
         accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides
         out_tokens, spans, accepted = [], [], accepted.tolist()                    # host lists: no per-item indexing
         for (rid, d, _), r, a, em, s0 in zip(items, reqs, accepted, emitted.tolist(), starts):

@@ -62,6 +62,9 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
         self._transfer_ids = itertools.count(1)
         self.ahead = ahead.AheadSender()      # next rounds' Proposes, pushed to the draft (ahead.py)
         self.engine.push_rows = self._push_verified
+        self.engine.push_acceptance = self._push_acceptance
+        self._early: tuple | None = None      # a Verify's early `ahead` and its pushed rows (_push_acceptance)
+        self._early_sent = False
         profile = parse_profile(cfg.synthetic_acceptance)
         if profile is not None:                 # rank 0 decides acceptance, so only its engine needs it
             self.engine.synthetic_acceptance = profile
@@ -111,7 +114,27 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             log.warning("hidden rows transfer %d was not pushed (%s: %s): the committed rows go after the Verify",
                         tid, type(e).__name__, e)
             return None
+        if self._early is not None:
+            self._early = (*self._early[:3], tid, rows)
         return rows
+
+    def _push_acceptance(self, both: torch.Tensor) -> None:
+        """The engine's push_acceptance: a Verify's acceptance [B, K+2] (accepted | emitted) queued on the device.
+        Where its `ahead` is early and its rows went on the ring, the acceptance follows them and the next round's
+        Propose goes to the draft now, before this host reads it (services/draft/early.py); else nothing."""
+        early, self._early = self._early, None
+        if early is None or len(early) < 5:
+            return
+        ahead_msg, ids, verified, tid, rows = early
+        acc = next(self._transfer_ids)
+        try:
+            self._send(acc, both)
+        except Exception as e:
+            log.warning("the acceptance (transfer %d) was not pushed (%s: %s): the Propose goes after it", acc,
+                        type(e).__name__, e)
+            return
+        desc = describe(rows, ids, verified, rows_pb2.TRANSPORT_BRIDGE, tid)
+        self._early_sent = self.ahead.send(ahead_msg, None, desc, acc)
 
     def _guard(self, context, fn):
         try:
@@ -194,6 +217,8 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             # every verified row on the bridge before the acceptance's sync (the engine's push_rows)
             early = next(self._transfer_ids) if request.return_hidden_rows and request.transport != \
                 rows_pb2.TRANSPORT_INLINE and self.channel is not None else 0
+            self._early_sent, self._early = False, (request.ahead, [i[0] for i in items], [len(i[1]) + 1 for i in items]
+                                                    ) if early and request.ahead.early else None
             t0 = time.perf_counter()
             with tracing.span("target.verify", requests=len(items), draft_tokens=sum(len(i[1]) for i in items),
                               prefill_requests=len(request.prefill.items)) as span:
@@ -216,15 +241,16 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             if push is not None and not (request.HasField("ahead") and self.channel.pushes):
                 push()                                  # parked before the draft can ask (a pull must find them)
                 push = None
-            sent = request.HasField("ahead") and self.ahead.send(     # the next round's Propose, to the draft now
+            sent = self._early_sent or request.HasField("ahead") and self.ahead.send(   # the next Propose, now
                 request.ahead, {i[0]: t for i, t in zip(items, res.emitted)}, desc)
+            self._early = None
             if push is not None:                        # into their ring slot while the draft reads its Propose
                 push()
             results = [target_pb2.VerifyResult(num_accepted=a, emitted_token_ids=t,
                                                logprobs=[logprob_pb(x) for x in lp])
                        for a, t, lp in zip(res.accepted, res.emitted, res.logprobs or [[] for _ in items])]
             return target_pb2.VerifyResponse(
-                results=results, hidden_rows=desc, ahead_sent=sent, prefill_status=refused,
+                results=results, hidden_rows=desc, ahead_sent=sent, ahead_early=self._early_sent, prefill_status=refused,
                 prefill=self._prefill_response(request.prefill, pitems, pre) if pre is not None else None,
                 timing=rows_pb2.CallTiming(compute_seconds=compute_s, handler_seconds=time.perf_counter() - t0))
         return self._guard(context, run)

@@ -43,21 +43,30 @@ def synthetic_accept(target_ids: torch.Tensor, drafts: torch.Tensor, k: torch.Te
     """target_ids [B, K+1]: the target's greedy token at each verified position; drafts [B, K];
     k [B]: drafts per request; states: each request's [synthetic seed (int64), draws taken (its Verifies so far)],
     one draw taken here -> accepted [B], emitted [B, K+1] (accepted drafts, then the target's token at the first
-    rejected position; -1 beyond), all on the CPU. Position j of request b is accepted when
-    uniform(draw_keys(seed_b, draw_b), K)[j] < P_j (kernels/noise.py, on the host): a function of (seed, draw, j)
-    only."""
+    rejected position; -1 beyond), all on the CPU: synthetic_counts, then synthetic_emitted."""
+    accepted = torch.from_numpy(synthetic_counts(k, drafts.shape[1], profile, states))
+    return accepted, synthetic_emitted(target_ids.cpu(), drafts.cpu(), accepted)
+
+
+def synthetic_counts(k: torch.Tensor, K: int, profile: tuple[float, ...], states: list[list[int]]) -> np.ndarray:
+    """Each request's accepted count [B] int64 (one draw of each state taken), known before the Verify's forward
+    runs: position j of request b is accepted when uniform(draw_keys(seed_b, draw_b), K)[j] < P_j (kernels/noise.py,
+    on the host), a function of (seed, draw, j) only, and j < k[b]."""
     seeds, draws = [st[0] for st in states], [st[1] for st in states]
     for st in states:
         st[1] += 1
-    target, own = target_ids.cpu().numpy(), drafts.cpu().numpy()
-    B, K1 = target.shape
-    p = np.array([profile[min(i, len(profile) - 1)] for i in range(K1 - 1)])                 # [K]
-    rejected = (host_uniform(seeds, draws, K1 - 1) >= p) | (np.arange(K1 - 1)[None, :] >= k.cpu().numpy()[:, None])
-    accepted = np.where(rejected.any(1), rejected.argmax(1), K1 - 1)           # first rejected position (else all)
-    pos, a = np.arange(K1)[None, :], accepted[:, None]
-    own = np.concatenate([own, np.full((B, 1), -1, dtype=own.dtype)], 1)      # [B, K+1]
-    emitted = np.where(pos < a, own, np.where(pos == a, target, -1))
-    return torch.from_numpy(accepted.astype(np.int64)), torch.from_numpy(emitted.astype(np.int64))
+    p = np.array([profile[min(i, len(profile) - 1)] for i in range(K)])                     # [K]
+    rejected = (host_uniform(seeds, draws, K) >= p) | (np.arange(K)[None, :] >= k.cpu().numpy()[:, None])
+    return np.where(rejected.any(1), rejected.argmax(1), K).astype(np.int64)    # first rejected position (else all)
+
+
+def synthetic_emitted(target_ids: torch.Tensor, drafts: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """target_ids [B, K+1], drafts [B, K], accepted [B] (all on one device) -> emitted [B, K+1] int64 there: the
+    accepted drafts, the target's token at the first rejected position, -1 beyond (as a real Verify's)."""
+    B, K1 = target_ids.shape
+    pos, a = torch.arange(K1, device=target_ids.device)[None, :], accepted.long()[:, None]
+    own = torch.cat([drafts.long(), drafts.new_full((B, 1), -1).long()], 1)              # [B, K+1]
+    return torch.where(pos < a, own, torch.where(pos == a, target_ids.long(), torch.full_like(own, -1)))
 
 
 def expected_acceptance_length(profile: tuple[float, ...], k: int) -> float:

@@ -1,0 +1,142 @@
+"""The draft's first step over every row a Verify checked, queued before anyone has read its acceptance (issue 14).
+
+A Verify of k drafts computes k + 1 rows a request (positions p .. p + k). The MTP layer at position p + i takes
+(embed(token[p + i + 1]), h[p + i]), and token[p + i + 1] is what the Verify emitted at row i: an accepted draft,
+or at the first rejection the target's own token. So the draft's step 0 can run on all k + 1 rows with the emitted
+tokens as they sit on the device, before either host knows how many were accepted; the rows past the accepted
+count a are computed for nothing and rolled back (causal attention: row i reads rows <= i only).
+
+The target queues its acceptance [B, 2 + K] (accepted | emitted, -1 past a + 1) into the bridge ring beside the
+rows and pushes the next round's Propose at once (ProposeRequest.acceptance_transfer_id); the draft lays out and
+queues its step while the target's forward still runs, and the GPU runs it right behind the Verify. The draft
+reads the acceptance to its host on a side stream (waiting for the target's acceptance, not for its own step),
+checks it, commits a + 1 positions a request and chains the rest of the round from row a (engine._chain).
+
+    rows:  [N, D]        N = sum(k_b + 1), request-major
+    frame: [R, 2 + K]    int64, row r: request r of the rows set; item b's row is frame_rows[b]
+"""
+from __future__ import annotations
+
+import torch
+
+from infra.errors import ServiceError
+from models.kv_cache import CacheFullError
+from services.bridge.rows import expect_rows
+
+
+def check_items(engine, items, verified: list[int], max_k: int) -> None:
+    """An early push's items before anything moves: running requests at the position the draft holds, k + 1 rows
+    each (1 <= k + 1 <= max_k + 1), room in max_model_len for the rows and the next round's drafts."""
+    if len({it.request_id for it in items}) != len(items):
+        raise ServiceError("INVALID_ARGUMENT", "request ids in one Propose must be unique")
+    for it, n in zip(items, verified):
+        rid = it.request_id
+        if rid not in engine.committed:
+            raise ServiceError("FAILED_PRECONDITION", f"request {rid!r}: an early Propose names a request the "
+                               "draft does not hold (unknown or released)")
+        if it.position != engine.committed[rid] + 1 or it.new_token_ids:
+            raise ServiceError("FAILED_PRECONDITION" if not it.new_token_ids else "INVALID_ARGUMENT",
+                               f"request {rid!r}: position is {it.position} with {len(it.new_token_ids)} "
+                               f"new_token_ids; an early Propose names position {engine.committed[rid] + 1} "
+                               "and no tokens (they are in the acceptance frame)")
+        if not 1 <= n <= max_k + 1:
+            raise ServiceError("INVALID_ARGUMENT", f"request {rid!r}: its rows set has {n} rows, expected 1 to "
+                               f"{max_k + 1} (one a verified position)")
+        end = engine.committed[rid] + n + max(it.num_draft_tokens - 1, 0)
+        if end > engine.max_model_len:
+            raise ServiceError("OUT_OF_RANGE", f"request {rid!r}: {n} verified rows and {it.num_draft_tokens} "
+                               f"drafts need {end} cache positions, more than max_model_len {engine.max_model_len}")
+
+
+@torch.inference_mode()
+def propose_early(engine, items, rows: torch.Tensor, verified: list[int], frame: torch.Tensor,
+                  frame_rows: list[int], seal: bool = True):
+    """items (checked: check_items), rows [sum(verified), D] in items' order, frame [R, 2 + K] -> (drafts, q rows)
+    a request, as DraftEngine.propose before its stacking; each item's new_token_ids filled in from the frame."""
+    cache, dev, V = engine.cache, engine.cache.device, engine.vocab_size
+    ids, B, W = [it.request_id for it in items], len(items), frame.shape[1]
+    if frame.dim() != 2 or frame.shape[0] <= max(frame_rows) or W < 1 + max(verified):
+        raise ServiceError("INTERNAL", f"the acceptance frame is {tuple(frame.shape)}, expected rows for "
+                           f"{max(frame_rows) + 1} requests of {1 + max(verified)} or more columns")
+    starts = [engine.committed[r] for r in ids]
+    for rid, s in zip(ids, starts):                                     # drop last round's speculative positions
+        cache.rollback(rid, cache.length(rid) - s)
+    engine.not_held, engine.unsealed = set(), []
+    frame = frame.to(dev)
+    host = _to_host(frame, engine)                                      # read beside the step, not behind it
+    index = [r * W + 1 + i for r, n in zip(frame_rows, verified) for i in range(n)]
+    toks = frame.reshape(-1)[torch.tensor(index).to(dev, non_blocking=True)].clamp(0, V - 1)   # [N]: -1 past a
+    try:
+        batch = cache.prepare(ids, verified)
+    except CacheFullError as e:
+        raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
+    dtype = next(engine.model.parameters()).dtype
+    out = engine.forward(toks, rows.to(dev, dtype), batch, cache, step=0)   # [N, D]
+    hidden = expect_rows(out, batch.num_tokens, "the MTP block")
+    table = host() if callable(host) else host                          # [R, 2 + K] on the host
+    try:
+        accepted = _accepted(table, frame_rows, verified, ids, V)
+    except ServiceError:
+        for rid, n in zip(ids, verified):                               # back to where the round found it
+            cache.rollback(rid, n)
+        raise
+    ends, at = [], 0
+    for it, rid, r, n, a, s in zip(items, ids, frame_rows, verified, accepted, starts):
+        it.new_token_ids = table[r, 1:a + 2].tolist()
+        cache.rollback(rid, n - 1 - a)                                   # rows past the accepted: computed for nothing
+        engine.committed[rid] = s + a + 1
+        engine.tokens.setdefault(rid, []).extend(it.new_token_ids)
+        ends.append(at + a)
+        at += n
+    engine.unsealed = list(ids)
+    k = [it.num_draft_tokens for it in items]
+    live = [b for b in range(B) if k[b] > 0]
+    drafts, probs = [[] for _ in items], [[] for _ in items]
+    try:
+        if live:
+            last = hidden[torch.tensor([ends[b] for b in live]).to(dev, non_blocking=True)]   # [len(live), D]
+            if not engine._chain(live, last, ids, k, drafts, probs):
+                engine._loop(live, dict(zip(live, last)), ids, k, drafts, probs)
+    except CacheFullError as e:
+        raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
+    finally:
+        if seal:
+            engine.seal()
+    return drafts, probs
+
+
+def _to_host(frame: torch.Tensor, engine):
+    """frame on the host: itself off CUDA, else a callable that waits for a copy made on a side stream (the
+    engine's), which waits for what the current stream waited for so far (the frame's arrival), not for the work
+    queued after it."""
+    if not frame.is_cuda:
+        return frame
+    now = torch.cuda.current_stream(frame.device)
+    side = getattr(engine, "side_stream", None)
+    if side is None:
+        side = engine.side_stream = torch.cuda.Stream(frame.device)
+    out = torch.empty(frame.shape, dtype=frame.dtype, pin_memory=True)
+    side.wait_stream(now)
+    with torch.cuda.stream(side):
+        out.copy_(frame, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    frame.record_stream(side)
+
+    def wait() -> torch.Tensor:
+        done.synchronize()
+        return out
+    return wait
+
+
+def _accepted(table: torch.Tensor, frame_rows: list[int], verified: list[int], ids: list[str], V: int) -> list[int]:
+    """Each item's accepted count from the frame, checked: 0 <= a < k + 1 rows, tokens in the vocabulary."""
+    out = []
+    for rid, r, n in zip(ids, frame_rows, verified):
+        a = int(table[r, 0])
+        toks = table[r, 1:a + 2].tolist() if 0 <= a < n else []
+        if not 0 <= a < n or not all(0 <= t < V for t in toks):
+            raise ServiceError("INTERNAL", f"request {rid!r}: the target's acceptance frame says {a} accepted of "
+                               f"{n - 1} drafts with tokens {toks[:8]} (vocab_size {V}): not a Verify's acceptance")
+        out.append(a)
+    return out

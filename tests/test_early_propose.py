@@ -1,0 +1,124 @@
+"""The draft's step over every verified row before the acceptance is read (services/draft/early.py), engine level.
+
+Two target/draft pairs from the same weights run the same rounds: one proposes from the committed rows as the
+target answered them (DraftEngine.propose), the other from every verified row and the acceptance frame the
+target queued (DraftEngine.propose_early, fed by TargetEngine's push_rows / push_acceptance hooks). Each round's
+drafts must be the same, greedy and sampled, with rejections among them (rows past the accepted computed and rolled
+back). A frame that is not a Verify's acceptance is INTERNAL and leaves the request where it was."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infra.errors import ServiceError
+from services.draft import early
+from services.draft.engine import ProposeItem
+from services.sampling import Sampling
+from tests.test_engines import engines, make_models
+
+PROMPTS = {"a": [5, 9, 13, 2, 7, 7, 30], "b": [11, 3], "c": list(range(40, 77))}
+
+
+def hooked(te):
+    """te's pushes captured: (all verified rows [N, D], acceptance [B, K+2]) of its last Verify."""
+    got = {}
+    te.push_rows = lambda tid, hidden: got.setdefault("rows", hidden.clone())
+    te.push_acceptance = lambda both: got.setdefault("frame", both.clone())
+    return got
+
+
+def pairs(sampling, device="cpu"):
+    target, draft = make_models(head_std=0.5, seed=3)
+    target, draft = target.to(device), draft.to(device)
+    (te1, de1), (te2, de2) = engines(target, draft), engines(target, draft)
+    if device == "cuda":                              # as served: CUDA graphs, the chain, the frame read aside
+        from models import cuda_graphs
+        for te, de in ((te1, de1), (te2, de2)):
+            cuda_graphs.enable(te)
+            cuda_graphs.enable(de, extra_rows=1)
+            de.graphs_enabled()
+    firsts = []
+    for te, de in ((te1, de1), (te2, de2)):
+        first, hidden, *_ = te.prefill([(r, p, sampling[r]) for r, p in PROMPTS.items()])
+        rows = dict(zip(PROMPTS, hidden.split([len(p) for p in PROMPTS.values()])))
+        items = [ProposeItem(r, p + [t], 3, sampling[r], 0) for (r, p), t in zip(PROMPTS.items(), first)]
+        firsts.append(de.propose(items, rows))
+    assert [d for d, _ in firsts[0]] == [d for d, _ in firsts[1]]
+    return (te1, de1), (te2, de2), firsts[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_early_propose_drafts_what_propose_drafts(temperature, device):
+    sampling = {r: Sampling(temperature=temperature, seed=1 + i) for i, r in enumerate(PROMPTS)}
+    (te1, de1), (te2, de2), proposals = pairs(sampling, device)
+    got = hooked(te2)
+    ids, rejected = list(PROMPTS), 0
+    position = {r: len(p) + 1 for r, p in PROMPTS.items()}
+    for rnd in range(6):
+        k = {r: (rnd + i) % 4 for i, r in enumerate(ids)}                 # 0..3 drafts, a request and a round
+        items = [(r, d, q) for r, (d, q) in zip(ids, proposals)]
+        v1 = te1.verify(items)
+        got.clear()
+        v2 = te2.verify(items, push=1)
+        assert v1.accepted == v2.accepted and v1.emitted == v2.emitted
+        rejected += sum(len(d) - a for (_, d, _), a in zip(items, v1.accepted))
+        late = [ProposeItem(r, t, k[r], sampling[r], position[r]) for r, t in zip(ids, v1.emitted)]
+        p1 = de1.propose(late, dict(zip(ids, v1.rows.split([a + 1 for a in v1.accepted]))))
+        now = [ProposeItem(r, [], k[r], sampling[r], position[r]) for r in ids]
+        verified = [len(d) + 1 for _, d, _ in items]
+        early.check_items(de2, now, verified, 3)
+        p2 = de2.propose_early(now, got["rows"], verified, got["frame"], list(range(len(ids))))
+        assert [it.new_token_ids for it in now] == v1.emitted            # the new tokens, read from the frame
+        assert [d for d, _ in p1] == [d for d, _ in p2], f"round {rnd}"
+        for (_, q1), (_, q2) in zip(p1, p2):
+            assert (q1 is None) == (q2 is None)
+            if q1 is not None:
+                torch.testing.assert_close(q1.dense(te1.vocab_size, "cpu"), q2.dense(te1.vocab_size, "cpu"))
+        if device == "cuda":
+            assert de2.chain.replays > 0
+        assert de1.committed == de2.committed and de1.tokens == de2.tokens
+        assert {r: de1.cache.length(r) for r in ids} == {r: de2.cache.length(r) for r in ids}
+        for r, t in zip(ids, v1.emitted):
+            position[r] += len(t)
+        proposals = p1
+    assert rejected > 0, "no draft was rejected: rows past the accepted were never rolled back"
+
+
+def test_a_frame_that_is_not_an_acceptance_is_internal_and_moves_nothing():
+    sampling = {r: Sampling() for r in PROMPTS}
+    _, (te, de), proposals = pairs(sampling)
+    got = hooked(te)
+    ids = list(PROMPTS)
+    items = [(r, d, q) for r, (d, q) in zip(ids, proposals)]
+    te.verify(items, push=1)
+    verified = [len(d) + 1 for _, d, _ in items]
+    before = ({r: de.cache.length(r) for r in ids}, dict(de.committed), {r: list(t) for r, t in de.tokens.items()})
+    bad = got["frame"].clone()
+    bad[1, 0] = verified[1]                                             # more accepted than it had drafts
+    now = [ProposeItem(r, [], 2, sampling[r], de.committed[r] + 1) for r in ids]
+    with pytest.raises(ServiceError) as e:
+        de.propose_early(now, got["rows"], verified, bad, [0, 1, 2])
+    assert e.value.code == "INTERNAL" and "acceptance frame" in str(e.value) and "'b'" in str(e.value)
+    after = ({r: de.cache.length(r) for r in ids}, dict(de.committed), {r: list(t) for r, t in de.tokens.items()})
+    assert after[1:] == before[1:]
+    assert all(after[0][r] == de.committed[r] for r in ids)            # the speculative positions dropped only
+    out = de.propose_early(now, got["rows"], verified, got["frame"], [0, 1, 2])   # the real one still goes
+    assert [len(d) for d, _ in out] == [2, 2, 2]
+
+
+def test_early_items_are_checked_before_anything_moves():
+    sampling = {r: Sampling() for r in PROMPTS}
+    _, (te, de), _ = pairs(sampling)
+    ok = [ProposeItem(r, [], 2, sampling[r], de.committed[r] + 1) for r in PROMPTS]
+    for bad, verified, code, words in (
+            ([ProposeItem("zz", [], 2, Sampling(), 1)] + ok[1:], [2, 2, 2], "FAILED_PRECONDITION", "does not hold"),
+            ([ProposeItem("a", [], 2, Sampling(), de.committed["a"] + 3)] + ok[1:], [2, 2, 2], "FAILED_PRECONDITION",
+             f"names position {de.committed['a'] + 1}"),
+            ([ProposeItem("a", [4], 2, Sampling(), de.committed["a"] + 1)] + ok[1:], [2, 2, 2], "INVALID_ARGUMENT",
+             "1 new_token_ids"),
+            (ok, [2, 0, 2], "INVALID_ARGUMENT", "has 0 rows, expected 1 to 4")):
+        with pytest.raises(ServiceError) as e:
+            early.check_items(de, bad, verified, 3)
+        assert e.value.code == code and words in str(e.value), str(e.value)
