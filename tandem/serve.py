@@ -55,6 +55,9 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--no-join-ahead", dest="join_ahead", action="store_false", help="gateway: joining requests' "
                    "first Propose in a pass of its own (default: in the pass of the push it rides: "
                    "gateway/proposals.py)")
+    p.add_argument("--no-early-propose", dest="early_propose", action="store_false", help="gateway: the target "
+                   "sends the next round's Propose once its host read the acceptance (default: as the acceptance is "
+                   "queued on the GPU: services/draft/early.py)")
     p.add_argument("--no-mixed-prefill", dest="mixed_prefill", action="store_false", help="gateway: prefill new "
                    "prompts in a call of their own (default: in the round's Verify forward: gateway/chunking.py)")
     p.add_argument("--late-admission", action="store_true", help="gateway: requests that arrive while a round "
@@ -245,6 +248,7 @@ def commands(a) -> list[tuple[str, list[str], str]]:
                                  + ([] if a.overlap_rounds else ["--no-overlap-rounds"])
                                  + ([] if a.propose_ahead else ["--no-propose-ahead"])
                                  + ([] if a.join_ahead else ["--no-join-ahead"])
+                                 + ([] if a.early_propose else ["--no-early-propose"])
                                  + ([] if a.mixed_prefill else ["--no-mixed-prefill"])
                                  + (["--late-admission"] if a.late_admission else []) + tls,
                  f"{a.host}:{a.grpc_port}"))
