@@ -17,6 +17,8 @@ checks it, commits a + 1 positions a request and chains the rest of the round fr
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from infra.errors import ServiceError
@@ -74,6 +76,7 @@ def propose_early(engine, items, rows: torch.Tensor, verified: list[int], frame:
     out = engine.forward(toks, rows.to(dev, dtype), batch, cache, step=0)   # [N, D]
     hidden = expect_rows(out, batch.num_tokens, "the MTP block")
     table = host() if callable(host) else host                          # [R, 2 + K] on the host
+    engine.landed_at = time.perf_counter()              # the pass's part on the round's critical path starts here
     try:
         accepted = _accepted(table, frame_rows, verified, ids, V)
     except ServiceError:

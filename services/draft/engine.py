@@ -53,6 +53,7 @@ class DraftEngine:
         self.not_held: set[str] = set()          # new requests of the last Propose it could not take
         self.unsealed: list[str] = []            # requests of the last Propose whose blocks seal() has not sealed
         self.q_mass = DRAFT_Q_MASS               # sampled drafts: from q's top tokens of this mass (1: all of q)
+        self.landed_at = 0.0                     # an early pass (early.py): when its acceptance reached the host
 
     def graphs_enabled(self, warmup_batch: int = 0) -> None:
         """CUDA graphs are on (services/launch.py): a round's steps 2..k run as one replay too (chain.py),

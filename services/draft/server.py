@@ -231,10 +231,11 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
             if landed:
                 _landed(landed)
                 self.group.call(DraftEngine.seal)
-        done = time.perf_counter()
-        return draft_pb2.ProposeResponse(results=[_result(d, q, False) for d, q in results],
-            transfer_seconds=transfer_s, timing=rows_pb2.CallTiming(
-                transfer_seconds=transfer_s, compute_seconds=done - t0 - transfer_s, handler_seconds=done - t0))
+        done = time.perf_counter()          # compute: from the acceptance's landing (before it, the step waited on
+        return draft_pb2.ProposeResponse(  # the target's forward, off the round's critical path)
+            results=[_result(d, q, False) for d, q in results], transfer_seconds=transfer_s,
+            timing=rows_pb2.CallTiming(transfer_seconds=transfer_s, compute_seconds=done - self.engine.landed_at,
+                                       handler_seconds=done - t0))
 
     def ProposeStream(self, requests, context):
         return self._stream(requests, context)
