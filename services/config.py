@@ -59,6 +59,9 @@ FLAG_HELP = {
     "lane_spin_ms": "the local lane's reader polls without sleeping this long after each call before it blocks, so the "
                     "next round's call finds it awake (one CPU busy meanwhile). -1: 50 on CUDA, 0 on CPU (its cores "
                     "compute)",
+    "early_propose": "target: where a gateway's Verify allows it (ProposeAhead.early) and the rows go on a ring, send "
+                     "the next round's Propose as the acceptance is queued, before this host reads it "
+                     "(services/draft/early.py); auto: on CUDA only (on a CPU the acceptance is computed by then)",
 }
 
 
@@ -103,6 +106,7 @@ class ServiceConfig:
     draft_q_mass: float = DRAFT_Q_MASS   # draft: sampled drafts from q's top tokens of this mass (kernels/noise.py)
     no_local_lane: bool = False      # the round call on gRPC only (default: also on a local socket, services/lane.py)
     lane_spin_ms: float = -1.0       # the local lane's reader polls this long after a call before it sleeps (-1: auto)
+    early_propose: str = "auto"      # target: auto | on | off, a Verify's push before its acceptance (draft/early.py)
 
     @property
     def rank_device(self) -> str:
@@ -155,6 +159,8 @@ class ServiceConfig:
         need(self.request_idle_s >= 0, f"--request-idle-s must be >= 0 (0: never), got {self.request_idle_s}")
         need(self.lane_spin_ms >= 0 or self.lane_spin_ms == -1, f"--lane-spin-ms must be >= 0 or -1 (auto), got "
                                                                   f"{self.lane_spin_ms}")
+        need(self.early_propose in ("auto", "on", "off"), f"--early-propose must be auto, on or off, got "
+                                                            f"{self.early_propose!r}")
         need(self.max_draft_tokens >= 0 and self.max_logprobs >= 0, "--max-draft-tokens and --max-logprobs must be >= 0")
         need(self.max_model_len >= 0, f"--max-model-len must be >= 0 (0: the model's own), got {self.max_model_len}")
         need(self.device == "cpu" or self.device.split(":")[0] == "cuda", f"--device must be cpu, cuda or cuda:N, "

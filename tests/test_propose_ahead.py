@@ -41,7 +41,8 @@ GATEWAYS = [{"name": "ahead"}, {"name": "sent", "args": ["--no-propose-ahead"]},
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, request):
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=7)
-    with Cluster(ckpt, k=K, gateways=GATEWAYS, hidden_transport="auto", log_dir=tmp_path_factory.mktemp("logs")) as c:
+    with Cluster(ckpt, k=K, gateways=GATEWAYS, hidden_transport="auto", log_dir=tmp_path_factory.mktemp("logs"),
+                 targets=[{"args": ["--early-propose", "on"]}]) as c:      # (auto: on CUDA only)
         yield from serve_module(c, request)
 
 
@@ -49,7 +50,8 @@ def cluster(tmp_path_factory, request):
 def gloo_cluster(tmp_path_factory, request):
     """The same over gloo: rows pushed as frames through a process group (services/bridge/push.py), not a ring."""
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=7)
-    with Cluster(ckpt, k=K, gateways=GATEWAYS, hidden_transport="gloo", log_dir=tmp_path_factory.mktemp("logs")) as c:
+    with Cluster(ckpt, k=K, gateways=GATEWAYS, hidden_transport="gloo", log_dir=tmp_path_factory.mktemp("logs"),
+                 targets=[{"args": ["--early-propose", "on"]}]) as c:
         yield from serve_module(c, request)
 
 

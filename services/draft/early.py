@@ -75,7 +75,7 @@ def propose_early(engine, items, rows: torch.Tensor, verified: list[int], frame:
     dtype = next(engine.model.parameters()).dtype
     out = engine.forward(toks, rows.to(dev, dtype), batch, cache, step=0)   # [N, D]
     hidden = expect_rows(out, batch.num_tokens, "the MTP block")
-    table = host() if callable(host) else host                          # [R, 2 + K] on the host
+    table = (host() if callable(host) else host).tolist()              # [R][2 + K] on the host, as lists
     engine.landed_at = time.perf_counter()              # the pass's part on the round's critical path starts here
     try:
         accepted = _accepted(table, frame_rows, verified, ids, V)
@@ -85,7 +85,7 @@ def propose_early(engine, items, rows: torch.Tensor, verified: list[int], frame:
         raise
     ends, at = [], 0
     for it, rid, r, n, a, s in zip(items, ids, frame_rows, verified, accepted, starts):
-        it.new_token_ids = table[r, 1:a + 2].tolist()
+        it.new_token_ids = table[r][1:a + 2]
         cache.rollback(rid, n - 1 - a)                                   # rows past the accepted: computed for nothing
         engine.committed[rid] = s + a + 1
         engine.tokens.setdefault(rid, []).extend(it.new_token_ids)
@@ -132,12 +132,12 @@ def _to_host(frame: torch.Tensor, engine):
     return wait
 
 
-def _accepted(table: torch.Tensor, frame_rows: list[int], verified: list[int], ids: list[str], V: int) -> list[int]:
+def _accepted(table: list[list[int]], frame_rows: list[int], verified: list[int], ids: list[str], V: int) -> list[int]:
     """Each item's accepted count from the frame, checked: 0 <= a < k + 1 rows, tokens in the vocabulary."""
     out = []
     for rid, r, n in zip(ids, frame_rows, verified):
-        a = int(table[r, 0])
-        toks = table[r, 1:a + 2].tolist() if 0 <= a < n else []
+        a = table[r][0]
+        toks = table[r][1:a + 2] if 0 <= a < n else []
         if not 0 <= a < n or not all(0 <= t < V for t in toks):
             raise ServiceError("INTERNAL", f"request {rid!r}: the target's acceptance frame says {a} accepted of "
                                f"{n - 1} drafts with tokens {toks[:8]} (vocab_size {V}): not a Verify's acceptance")

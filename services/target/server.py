@@ -65,6 +65,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
         self.engine.push_acceptance = self._push_acceptance
         self._early: tuple | None = None      # a Verify's early `ahead` and its pushed rows (_push_acceptance)
         self._early_sent = False
+        self.early_ok = cfg.early_propose == "on" or cfg.early_propose == "auto" and cfg.device.startswith("cuda")
         profile = parse_profile(cfg.synthetic_acceptance)
         if profile is not None:                 # rank 0 decides acceptance, so only its engine needs it
             self.engine.synthetic_acceptance = profile
@@ -218,7 +219,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             early = next(self._transfer_ids) if request.return_hidden_rows and request.transport != \
                 rows_pb2.TRANSPORT_INLINE and self.channel is not None else 0
             self._early_sent, self._early = False, (request.ahead, [i[0] for i in items], [len(i[1]) + 1 for i in items]
-                                                    ) if early and request.ahead.early else None
+                                                    ) if early and request.ahead.early and self.early_ok else None
             t0 = time.perf_counter()
             with tracing.span("target.verify", requests=len(items), draft_tokens=sum(len(i[1]) for i in items),
                               prefill_requests=len(request.prefill.items)) as span:
