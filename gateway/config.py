@@ -157,10 +157,8 @@ def parse(argv) -> GatewayConfig:
     p.add_argument("--no-join-ahead", dest="join_ahead", action="store_false", help="send the first Propose of "
                    "requests that joined as a Verify answered after that Verify's push, a second pass of the draft "
                    "(default: it rides the push and the draft computes both in one: gateway/proposals.py join)")
-    p.add_argument("--no-early-propose", dest="early_propose", action="store_false", help="let the target send "
-                   "the next round's Propose once its host has read the Verify's acceptance (default: as soon as the "
-                   "acceptance is queued on the GPU, with it on the bridge ring, so the draft's first step runs right "
-                   "behind the Verify: services/draft/early.py)")
+    p.add_argument("--no-early-propose", dest="early_propose", action="store_false", help="the target's push once "
+                   "its host read the acceptance (default: as the acceptance is queued, on a GPU: draft/early.py)")
     p.add_argument("--no-mixed-prefill", dest="mixed_prefill", action="store_false", help="prefill new prompts in "
                    "a call of their own before the round (default: while requests run, the step's Prefill rides the "
                    "round's Verify and the target computes both in one forward: gateway/chunking.py)")
