@@ -70,6 +70,8 @@ def test_a_chain_built_mid_serving_writes_only_its_scratch_slot_before_its_first
     for sampled in (False, True):
         st = chain._static(4, 3, sampled)
         assert st["slots"].tolist() == [[chain.scratch_slot] * 4] * 2 and not st["ctx"].any()
+        chain._layout(st)                                  # as the body lays them out, before any fill
+        assert st["slots"].tolist() == [[chain.scratch_slot] * 4] * 2 and not st["ctx"].any()
 
 
 @pytest.mark.parametrize("k, q_mass, width", [(2, 1.0, 0), ({"a": 3, "b": 1, "c": 2, "d": 0}, 1.0, 0),

@@ -3,8 +3,8 @@
 Two target/draft pairs from the same weights run the same rounds: one proposes from the committed rows as the
 target answered them (DraftEngine.propose), the other from every verified row and the acceptance frame the
 target queued (DraftEngine.propose_early, fed by TargetEngine's push_rows / push_acceptance hooks). Each round's
-drafts must be the same, greedy and sampled, with rejections among them (rows past the accepted computed and rolled
-back). A frame that is not a Verify's acceptance is INTERNAL and leaves the request where it was."""
+drafts must be the same, greedy (accepted at random: synthetic acceptance) and sampled, with rejections among them
+(rows past the accepted computed and rolled back), the chain run before the acceptance is read or after it. A frame that is not a Verify's acceptance is INTERNAL and leaves the request where it was."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +12,7 @@ import torch
 
 from infra.errors import ServiceError
 from services.draft import early
+from services.draft.chain import DraftChain
 from services.draft.engine import ProposeItem
 from services.sampling import Sampling
 from tests.test_engines import engines, make_models
@@ -27,10 +28,17 @@ def hooked(te):
     return got
 
 
-def pairs(sampling, device="cpu"):
+def pairs(sampling, device="cpu", chain=False):
+    """Two engine pairs of the same weights after the prompts' prefill and first Propose; greedy rounds accept drafts
+    at random (synthetic acceptance 0.8, the same draws on both targets: random weights accept almost none), so the
+    rows past the accepted ones are those of any position."""
     target, draft = make_models(head_std=0.5, seed=3)
     target, draft = target.to(device), draft.to(device)
     (te1, de1), (te2, de2) = engines(target, draft), engines(target, draft)
+    for te in (te1, te2) if all(x.greedy for x in sampling.values()) else ():
+        te.synthetic_acceptance = (0.8,)
+    for de in (de1, de2) if chain and device == "cpu" else ():   # the chain eagerly: queued before the acceptance
+        de.chain = DraftChain(draft, de.cache, de.max_model_len, 4, graphs=False)
     if device == "cuda":                              # as served: CUDA graphs, the chain, the frame read aside
         from models import cuda_graphs
         for te, de in ((te1, de1), (te2, de2)):
@@ -50,11 +58,14 @@ def pairs(sampling, device="cpu"):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU"))])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_early_propose_drafts_what_propose_drafts(temperature, device):
+@pytest.mark.parametrize("chain", [False, True])
+def test_early_propose_drafts_what_propose_drafts(temperature, device, chain):
+    if device == "cuda" and chain:
+        pytest.skip("the GPU runs its captured chain either way")
     sampling = {r: Sampling(temperature=temperature, seed=1 + i) for i, r in enumerate(PROMPTS)}
-    (te1, de1), (te2, de2), proposals = pairs(sampling, device)
+    (te1, de1), (te2, de2), proposals = pairs(sampling, device, chain)
     got = hooked(te2)
-    ids, rejected = list(PROMPTS), 0
+    ids, rejected, accepted = list(PROMPTS), 0, 0
     position = {r: len(p) + 1 for r, p in PROMPTS.items()}
     for rnd in range(6):
         k = {r: (rnd + i) % 4 for i, r in enumerate(ids)}                 # 0..3 drafts, a request and a round
@@ -64,6 +75,7 @@ def test_early_propose_drafts_what_propose_drafts(temperature, device):
         v2 = te2.verify(items, push=1)
         assert v1.accepted == v2.accepted and v1.emitted == v2.emitted
         rejected += sum(len(d) - a for (_, d, _), a in zip(items, v1.accepted))
+        accepted += sum(a for a, (_, d, _) in zip(v1.accepted, items) if len(d) > 1)
         late = [ProposeItem(r, t, k[r], sampling[r], position[r]) for r, t in zip(ids, v1.emitted)]
         p1 = de1.propose(late, dict(zip(ids, v1.rows.split([a + 1 for a in v1.accepted]))))
         now = [ProposeItem(r, [], k[r], sampling[r], position[r]) for r in ids]
@@ -76,19 +88,21 @@ def test_early_propose_drafts_what_propose_drafts(temperature, device):
             assert (q1 is None) == (q2 is None)
             if q1 is not None:
                 torch.testing.assert_close(q1.dense(te1.vocab_size, "cpu"), q2.dense(te1.vocab_size, "cpu"))
-        if device == "cuda":
-            assert de2.chain.replays > 0
+        if device == "cuda" or chain:
+            assert de2.chain.runs > 0
         assert de1.committed == de2.committed and de1.tokens == de2.tokens
         assert {r: de1.cache.length(r) for r in ids} == {r: de2.cache.length(r) for r in ids}
         for r, t in zip(ids, v1.emitted):
             position[r] += len(t)
         proposals = p1
     assert rejected > 0, "no draft was rejected: rows past the accepted were never rolled back"
+    assert temperature or accepted > 3, "greedy rounds accepted too few drafts to place a chain after them"
 
 
-def test_a_frame_that_is_not_an_acceptance_is_internal_and_moves_nothing():
+@pytest.mark.parametrize("chain", [False, True])
+def test_a_frame_that_is_not_an_acceptance_is_internal_and_moves_nothing(chain):
     sampling = {r: Sampling() for r in PROMPTS}
-    _, (te, de), proposals = pairs(sampling)
+    _, (te, de), proposals = pairs(sampling, chain=chain)
     got = hooked(te)
     ids = list(PROMPTS)
     items = [(r, d, q) for r, (d, q) in zip(ids, proposals)]

@@ -56,7 +56,11 @@ class DraftChain:
         self.runs = self.replays = 0       # rounds drafted here; of those, replayed graphs
 
     def run(self, ids: list[str], hidden: torch.Tensor, ks: list[int],
-            sampled: list[tuple[Sampling, int, int]] | None = None, q_mass: float = 1.0):
+            sampled: list[tuple[Sampling, int, int]] | None = None, q_mass: float = 1.0,
+            acc: torch.Tensor | None = None, starts: list[int] | None = None, then=None):
+        """acc, starts (an early pass, services/draft/early.py): step 1 of request b writes position starts[b] +
+        acc[b], acc [B] on the device (the accepted counts, not yet known on the host; the cache holds the most
+        positions they could need); then(): host work to run once the replay is queued, before its one sync."""
         B, k_max = len(ids), max(ks)
         bp = _bucket(B, BATCH_BUCKETS)
         if bp is None or k_max > self.max_k or min(ks) < 1:
@@ -66,21 +70,24 @@ class DraftChain:
         if need > cache.num_free_blocks:
             raise CacheFullError(f"{KV_CACHE_FULL}: the draft's chain needs {need} more blocks of {bs} "
                                  f"tokens, {cache.num_free_blocks} of {cache.num_blocks} free")
-        starts = [cache.length(r) for r in ids]
-        if any(-(-(s + k - 1) // bs) > self.max_blocks for s, k in zip(starts, ks)):
+        ends = [cache.length(r) + k - 1 for r, k in zip(ids, ks)]                 # the last position written, + 1
+        if any(-(-e // bs) > self.max_blocks for e in ends):
             return None
+        starts = starts or [cache.length(r) for r in ids]
         for r, k in zip(ids, ks):
             cache.extend(r, k - 1)
         key = (bp, k_max, sampled is not None, q_mass if sampled is not None else 1.0)
         if key not in self.compiled:
             self.compiled[key] = self._build(*key)
         graph, st, out = self.compiled[key]
-        self._fill(st, ids, hidden, ks, starts, bp, sampled)
+        self._fill(st, ids, hidden, ks, starts, bp, sampled, acc)
         if graph is not None:
             graph.replay()
             self.replays += 1
         else:
             out = self._body(st, k_max, sampled is not None, key[3])
+        if then is not None:
+            then()
         toks, q = out
         toks = self.model.ps.decide(toks[:B].cpu()).tolist()           # the round's one host sync
         self.runs += 1
@@ -103,15 +110,18 @@ class DraftChain:
     def _static(self, bp: int, k_max: int, sampled: bool) -> dict:
         dev, S, MB = self.cache.device, max(k_max - 1, 1), self.max_blocks
         i64, i32, f32 = torch.int64, torch.int32, torch.float32
-        names = ["pos", "slots", "ctx"] + (["temp", "top_k", "top_p", "seeds", "draws"] if sampled else []) + ["tables"]
-        kinds = [(i64, (S, bp)), (i64, (S, bp)), (i32, (S, bp))]
+        names = ["base", "acc"] + (["temp", "top_k", "top_p", "seeds", "draws"] if sampled else []) + ["tables"]
+        kinds = [(i64, (S, bp)), (i64, (bp,))]   # step s's position at acc 0 (-1: padding), accepted counts
         if sampled:                            # per row: temperature, top-k, top-p, noise seed, first draw
             kinds += [(f32, (bp,)), (i64, (bp,)), (f32, (bp,)), (i64, (bp,)), (i64, (bp,))]
         buf = TwinBuffer(kinds + [(i32, (bp, MB))], dev)     # the round's layout (and sampling) in one upload
-        buf.writable()[1][:] = self.scratch_slot    # slots: the capture's warm-up writes only the scratch slot
+        buf.writable()[0][:] = -1                   # all padding: the capture's warm-up writes only the scratch slot
         buf.upload()
         st = dict(zip(names, buf.parts))
         st["buf"] = buf
+        st["pos"], st["slots"] = (torch.zeros(S, bp, dtype=i64, device=dev) for _ in range(2))   # (_layout's)
+        st["ctx"] = torch.zeros(S, bp, dtype=i32, device=dev)
+        st["slots"].fill_(self.scratch_slot)
         st["hidden"] = torch.zeros(bp, self.model.cfg.hidden_size, dtype=self.dtype, device=dev)
         req = torch.arange(bp, dtype=torch.int32, device=dev)
         qstart = torch.arange(bp + 1, dtype=torch.int32, device=dev)
@@ -123,19 +133,16 @@ class DraftChain:
             attention_backend=backend) for s in range(S)]
         return st
 
-    def _fill(self, st: dict, ids, hidden, ks, starts, bp: int, sampled=None) -> None:
-        # the layout of steps 1 .. k_max - 1 (and the sampling rows) written on the host into the twin's parts, then
-        # one upload; Python lists and numpy views, not ~15 small tensor ops (as models/batch.lay_out)
-        bs, B = self.cache.block_size, len(ids)
+    def _fill(self, st: dict, ids, hidden, ks, starts, bp: int, sampled=None, acc=None) -> None:
+        # steps 1 .. k_max - 1's positions at acc 0 (and the sampling rows) written on the host into the twin's parts,
+        # then one upload (acc on the device copied in behind it); Python lists and numpy views, not ~15 small tensor
+        # ops (as models/batch.lay_out). The graph lays out slots and context lengths from them (_layout).
+        B = len(ids)
         tables = [self.cache._tables[r] for r in ids]
-        pos_h, slots_h, ctx_h, *samp_h, tab_h = st["buf"].writable()
-        for s in range(1, pos_h.shape[0] + 1):                                 # step s of request b, if it drafts it
-            pos, slots, ctx = [0] * bp, [self.scratch_slot] * bp, [0] * bp      # padding: position 0, scratch slot
-            for b in range(B):
-                if s < ks[b]:
-                    p = starts[b] + s - 1                                         # cache position of step s
-                    pos[b], slots[b], ctx[b] = p, tables[b][p // bs] * bs + p % bs, p + 1
-            pos_h[s - 1], slots_h[s - 1], ctx_h[s - 1] = pos, slots, ctx
+        base_h, acc_h, *samp_h, tab_h = st["buf"].writable()
+        for s in range(1, base_h.shape[0] + 1):                                # step s of request b, if it drafts it
+            base_h[s - 1] = [starts[b] + s - 1 if b < B and s < ks[b] else -1 for b in range(bp)]
+        acc_h[:] = 0
         w = max(len(t) for t in tables)
         for b, t in enumerate(tables):                                         # each table, zeros past it to w
             tab_h[b, :len(t)], tab_h[b, len(t):w] = t, 0
@@ -146,19 +153,35 @@ class DraftChain:
                                        [d for _, _, d in rows])):
                 h[:] = col
         st["buf"].upload(table_rows_end(st["buf"], B, self.max_blocks, w))    # behind step 0, not waiting on it
+        if acc is not None:
+            st["acc"][:B].copy_(acc)
         st["hidden"][:B].copy_(hidden)
         if B < bp:
             st["hidden"][B:].zero_()
         if not self.graphs:                    # the reference attention plans from host copies
             host_tables = torch.from_numpy(tab_h.copy())                     # (rows past B, columns past w: unread)
+            a = acc.tolist() + [0] * (bp - B) if acc is not None else [0] * bp
             for s, batch in enumerate(st["batches"]):
-                batch.host_block_tables, batch.host_starts = host_tables, pos_h[s].tolist()
+                batch.host_block_tables = host_tables
+                batch.host_starts = [p + a[b] if p >= 0 else 0 for b, p in enumerate(base_h[s].tolist())]
                 batch.plans = {}
+
+    def _layout(self, st: dict) -> None:
+        # on the device (inside the graph): each step's positions (base + acc), slots from the block tables, context
+        # lengths; padding (base -1): position 0, the scratch slot, context 0
+        base, bs = st["base"], self.cache.block_size
+        live = base >= 0
+        pos = torch.where(live, base + st["acc"][None, :], 0)                                  # [S, bp]
+        blocks = st["tables"].long().gather(1, (pos // bs).t()).t()                            # [S, bp]
+        st["pos"].copy_(pos)
+        st["slots"].copy_(torch.where(live, blocks * bs + pos % bs, self.scratch_slot))
+        st["ctx"].copy_(torch.where(live, pos + 1, 0))
 
     # --- the chain -----------------------------------------------------------------------------
     def _body(self, st: dict, k_max: int, sampled: bool, q_mass: float = 1.0):
         # -> (drafts [bp, k_max] int64, q: None, [bp, k_max, V] fp32, or top_mass's ids, probs [bp, k_max, w],
         #    whole [bp, k_max] and q' [bp, k_max, V]) on the device
+        self._layout(st)
         h, out, qs = st["hidden"], [], []
         layers = self.model.num_cache_layers
         for s in range(k_max):

@@ -75,31 +75,44 @@ def propose_early(engine, items, rows: torch.Tensor, verified: list[int], frame:
     dtype = next(engine.model.parameters()).dtype
     out = engine.forward(toks, rows.to(dev, dtype), batch, cache, step=0)   # [N, D]
     hidden = expect_rows(out, batch.num_tokens, "the MTP block")
-    table = (host() if callable(host) else host).tolist()              # [R][2 + K] on the host, as lists
-    engine.landed_at = time.perf_counter()              # the pass's part on the round's critical path starts here
-    try:
-        accepted = _accepted(table, frame_rows, verified, ids, V)
-    except ServiceError:
-        for rid, n in zip(ids, verified):                               # back to where the round found it
-            cache.rollback(rid, n)
-        raise
-    ends, at = [], 0
-    for it, rid, r, n, a, s in zip(items, ids, frame_rows, verified, accepted, starts):
-        it.new_token_ids = table[r][1:a + 2]
-        cache.rollback(rid, n - 1 - a)                                   # rows past the accepted: computed for nothing
-        engine.committed[rid] = s + a + 1
-        engine.tokens.setdefault(rid, []).extend(it.new_token_ids)
-        ends.append(at + a)
-        at += n
-    engine.unsealed = list(ids)
     k = [it.num_draft_tokens for it in items]
     live = [b for b in range(B) if k[b] > 0]
-    drafts, probs = [[] for _ in items], [[] for _ in items]
+    offs = [sum(verified[:b]) for b in range(B)]
+    drafts, probs, landed = [[] for _ in items], [[] for _ in items], {}
+
+    def commit(extra: list[int]) -> None:
+        # the acceptance on the host, checked, committed: rows past it rolled back (the chain's positions past the
+        # accepted ones go with them, extra[b] of them: put back too where the frame is not an acceptance)
+        table = (host() if callable(host) else host).tolist()           # [R][2 + K] on the host, as lists
+        engine.landed_at = time.perf_counter()          # the pass's part on the round's critical path starts here
+        try:
+            accepted = _accepted(table, frame_rows, verified, ids, V)
+        except ServiceError:
+            for rid, n, x in zip(ids, verified, extra):                 # back to where the round found it
+                cache.rollback(rid, n + x)
+            raise
+        for it, rid, r, n, a, s in zip(items, ids, frame_rows, verified, accepted, starts):
+            it.new_token_ids = table[r][1:a + 2]
+            cache.rollback(rid, n - 1 - a)                               # rows past the accepted: computed for nothing
+            engine.committed[rid] = s + a + 1
+            engine.tokens.setdefault(rid, []).extend(it.new_token_ids)
+        engine.unsealed = list(ids)
+        landed["a"] = accepted
+
     try:
-        if live:
-            last = hidden[torch.tensor([ends[b] for b in live]).to(dev, non_blocking=True)]   # [len(live), D]
-            if not engine._chain(live, last, ids, k, drafts, probs):
-                engine._loop(live, dict(zip(live, last)), ids, k, drafts, probs)
+        if live and engine.chain is not None:                           # the chain queued before the acceptance lands
+            aux = torch.tensor(frame_rows + offs + [n - 1 for n in verified] + live).to(dev, non_blocking=True)
+            rows_at, off, most, at = aux[:B], aux[B:2 * B], aux[2 * B:3 * B], aux[3 * B:]
+            acc = torch.minimum(frame[rows_at, 0].clamp(min=0), most)               # [B]: a, kept inside its rows
+            engine._chain(live, hidden[(off + acc)[at]], ids, k, drafts, probs, acc=acc[at],
+                          starts=[starts[b] + 1 for b in live], then=lambda: commit([max(x - 1, 0) for x in k]))
+        if "a" not in landed:                                            # (no chain, or the round did not fit it)
+            commit([0] * B)
+            if live:
+                ends = [offs[b] + landed["a"][b] for b in live]
+                last = hidden[torch.tensor(ends).to(dev, non_blocking=True)]          # [len(live), D]
+                if not engine._chain(live, last, ids, k, drafts, probs):
+                    engine._loop(live, dict(zip(live, last)), ids, k, drafts, probs)
     except CacheFullError as e:
         raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
     finally:

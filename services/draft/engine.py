@@ -160,16 +160,16 @@ class DraftEngine:
         self.unsealed = []
 
     def _chain(self, live: list[int], last: torch.Tensor, ids: list[str], k: list[int], drafts: list,
-               probs: list) -> bool:
+               probs: list, **early) -> bool:
         """Steps 2..k in one replay (chain.py) from live's MTP hidden rows last [len(live), D]; False when there
-        is no chain or the round does not fit it."""
+        is no chain or the round does not fit it. early: DraftChain.run's acc, starts and then (early.py)."""
         if self.chain is None:
             return False
         rids = [ids[b] for b in live]
         samplings = [self.sampling[r] for r in rids]
         sampled = None if all(s.greedy for s in samplings) else [
             (s, *(tuple(self.noise[r]) if not s.greedy else (0, 0))) for r, s in zip(rids, samplings)]
-        got = self.chain.run(rids, last, [k[b] for b in live], sampled, self.q_mass)
+        got = self.chain.run(rids, last, [k[b] for b in live], sampled, self.q_mass, **early)
         if got is None:
             return False
         toks, q = got
