@@ -190,15 +190,22 @@ class PagedKVCache:
             raise ValueError("request_ids must be unique and match query_lens")
         if tokens is not None and len(tokens) != sum(query_lens):
             raise ValueError(f"tokens: expected {sum(query_lens)} (the step's new tokens), got {len(tokens)}")
+        lengths, tables, bs = self._lengths, self._tables, self.block_size
         for rid in request_ids:
-            self._check(rid)
-        need = sum(self.blocks_needed(r, n) for r, n in zip(request_ids, query_lens))
+            if rid not in lengths:
+                self._check(rid)
+        starts = [lengths[r] for r in request_ids]
+        needs = [max(0, -(-(s + n) // bs) - len(tables[r])) for r, s, n in zip(request_ids, starts, query_lens)]
+        need = sum(needs)
         if need > self.pool.available:
             raise CacheFullError(f"{KV_CACHE_FULL}: step needs {need} more blocks of "
                                  f"{self.block_size} tokens, {self.pool.available} of {self.num_blocks} free")
-        starts = [self._lengths[r] for r in request_ids]
-        for r, n in zip(request_ids, query_lens):
-            self.extend(r, n)
+        taken, at = self.pool.take(need) if need else [], 0           # in one take: the blocks extend() would get
+        for r, s, n, k in zip(request_ids, starts, query_lens, needs):
+            if k:
+                tables[r].extend(taken[at:at + k])
+                at += k
+            lengths[r] = s + n
         return self._layout(request_ids, query_lens, starts, tokens)
 
     def _layout(self, request_ids: list[str], query_lens: list[int], starts: list[int],
