@@ -115,6 +115,10 @@ def test_a_frame_that_is_not_an_acceptance_is_internal_and_moves_nothing(chain):
     with pytest.raises(ServiceError) as e:
         de.propose_early(now, got["rows"], verified, bad, [0, 1, 2])
     assert e.value.code == "INTERNAL" and "acceptance frame" in str(e.value) and "'b'" in str(e.value)
+    for shape in (got["frame"].reshape(-1), got["frame"][:, :2]):        # not [requests, 2 + K] of this Verify
+        with pytest.raises(ServiceError) as e:
+            de.propose_early(now, got["rows"], verified, shape, [0, 1, 2])
+        assert e.value.code == "INTERNAL" and "the acceptance frame is" in str(e.value)
     after = ({r: de.cache.length(r) for r in ids}, dict(de.committed), {r: list(t) for r, t in de.tokens.items()})
     assert after[1:] == before[1:]
     assert all(after[0][r] == de.committed[r] for r in ids)            # the speculative positions dropped only

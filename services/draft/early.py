@@ -56,7 +56,7 @@ def propose_early(engine, items, rows: torch.Tensor, verified: list[int], frame:
     """items (checked: check_items), rows [sum(verified), D] in items' order, frame [R, 2 + K] -> (drafts, q rows)
     a request, as DraftEngine.propose before its stacking; each item's new_token_ids filled in from the frame."""
     cache, dev, V = engine.cache, engine.cache.device, engine.vocab_size
-    ids, B, W = [it.request_id for it in items], len(items), frame.shape[1]
+    ids, B, W = [it.request_id for it in items], len(items), frame.shape[-1]
     if frame.dim() != 2 or frame.shape[0] <= max(frame_rows) or W < 1 + max(verified):
         raise ServiceError("INTERNAL", f"the acceptance frame is {tuple(frame.shape)}, expected rows for "
                            f"{max(frame_rows) + 1} requests of {1 + max(verified)} or more columns")
@@ -110,9 +110,7 @@ def propose_early(engine, items, rows: torch.Tensor, verified: list[int], frame:
             commit([0] * B)
             if live:
                 ends = [offs[b] + landed["a"][b] for b in live]
-                last = hidden[torch.tensor(ends).to(dev, non_blocking=True)]          # [len(live), D]
-                if not engine._chain(live, last, ids, k, drafts, probs):
-                    engine._loop(live, dict(zip(live, last)), ids, k, drafts, probs)
+                engine._rest(live, hidden[torch.tensor(ends).to(dev, non_blocking=True)], ids, k, drafts, probs)
     except CacheFullError as e:
         raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
     finally:

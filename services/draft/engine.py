@@ -137,8 +137,7 @@ class DraftEngine:
                 if live and len(live) < len(active):                         # (rows as they are when all draft)
                     keep = torch.tensor([i for i, b in enumerate(active) if k[b] > 0])
                     last = last[keep.to(last.device, non_blocking=True)]
-                if not (live and self._chain(live, last, ids, k, drafts, probs)):
-                    self._loop(live, dict(zip(live, last)), ids, k, drafts, probs)
+                self._rest(live, last, ids, k, drafts, probs)
         except CacheFullError as e:
             raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
         finally:
@@ -158,6 +157,12 @@ class DraftEngine:
             if rid in self.committed:
                 self.cache.seal(rid, self.tokens[rid], self.committed[rid])
         self.unsealed = []
+
+    def _rest(self, live: list[int], last: torch.Tensor, ids: list[str], k: list[int], drafts: list,
+              probs: list) -> None:
+        """Steps 2..k of live's requests from their MTP hidden rows last: the chain's one replay, else the loop."""
+        if not (live and self._chain(live, last, ids, k, drafts, probs)):
+            self._loop(live, dict(zip(live, last)), ids, k, drafts, probs)
 
     def _chain(self, live: list[int], last: torch.Tensor, ids: list[str], k: list[int], drafts: list,
                probs: list, **early) -> bool:
