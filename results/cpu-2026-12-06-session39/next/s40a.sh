@@ -5,7 +5,7 @@ source .gpu/common.sh
 R=$OUT/r; mkdir -p $R
 snap() { mv $OUT/*.log $R/ 2>/dev/null; cp $OUT/parts.txt $OUT/gpu.txt $R/ 2>/dev/null; tar czf $OUT/r.tgz -C $OUT r; }
 git log --oneline -1 > $R/commit.txt 2>&1
-part gtest 260 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_bridge.py tests/test_gpu.py tests/test_early_propose.py tests/test_draft_chain.py tests/test_propose_ahead.py -k "not slow"; snap
+part gtest 260 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_bridge.py tests/test_gpu.py tests/test_early_propose.py tests/test_draft_chain.py; snap
 S="-m tandem bench speed --device cuda --random-config v2-lite --ks 0,3 --batches 1,32 --max-tokens 64 --requests-per-batch 3 --speculation fixed,fixed/accept-first --in-process --repeats 2"
 part c85 150 python3 $S --synthetic-acceptance 0.85 --out $R/c85; snap
 part r1 130 python3 $S --synthetic-acceptance 0.92,0.72,0.36 --out $R/r1; snap
