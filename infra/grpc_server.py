@@ -2,6 +2,7 @@
 status mapping and a clean stop on SIGINT/SIGTERM. (No torch here: the gateway may use it too.)"""
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -54,6 +55,9 @@ HealthServicer.Check.experimental_thread_pool = futures.ThreadPoolExecutor(max_w
                                                                             thread_name_prefix="health")
 
 
+STOP_BACKSTOP_S = 20.0      # a target or draft still stopping this long after its signal ends itself (serve)
+
+
 def serve(register, service_names: list[str], host: str, port: int, workers: int = 4,
           max_bytes: int = MAX_MESSAGE_BYTES, tls=None) -> None:
     """Start a server with `register(server)`'s servicers plus health and reflection; block until
@@ -76,6 +80,9 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
     for sig in stop_signals():
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    # a stop that hangs (seen in CI: a target in a futex wait 30 s after SIGTERM, its bridge's peer gone at once)
+    # would hold its ports for good: past STOP_BACKSTOP_S every thread's stack goes to the log and the process exits 1
+    faulthandler.dump_traceback_later(STOP_BACKSTOP_S, exit=True)
     health_servicer.enter_graceful_shutdown()
     server.stop(grace=2).wait()
     log.info("stopped")
