@@ -24,7 +24,7 @@ def hooked(te):
     """te's pushes captured: (all verified rows [N, D], acceptance [B, K+2]) of its last Verify."""
     got = {}
     te.push_rows = lambda tid, hidden: got.setdefault("rows", hidden.clone())
-    te.push_acceptance = lambda both: got.setdefault("frame", both.clone())
+    te.push_acceptance = lambda both, rows: got.setdefault("frame", both.clone())
     return got
 
 

@@ -45,7 +45,7 @@ class TargetEngine:
     synthetic_acceptance: tuple[float, ...] | None = None   # BENCHMARK ONLY: services/target/synthetic.py
     # rank 0 of a service with a bridge: (transfer id, a Verify's rows [N, D]) -> the rows sent (a copy), or None
     push_rows: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None
-    push_acceptance: Callable[[torch.Tensor], None] | None = None   # after push_rows: the acceptance [B, K+2], queued
+    push_acceptance: Callable[[torch.Tensor, torch.Tensor], None] | None = None   # (acceptance [B, K+2], rows pushed)
 
     def graphs_enabled(self, warmup_batch: int = 0) -> None:
         """CUDA graphs are on (services/launch.py): compile the acceptance kernels now for every draft count a
@@ -219,7 +219,7 @@ class TargetEngine:
                 accepted, emitted = rejection_sample(p, q, drafts, k_dev, *draws(reqs, K, self.vocab_size, dev))
             both = torch.cat([accepted.view(B, 1).long(), emitted.long()], 1)      # [B, K+2]
         if pushed is not None and self.push_acceptance is not None:   # the next Propose, before the sync
-            self.push_acceptance(both)
+            self.push_acceptance(both, pushed)
         both = both.cpu()                                                         # the one device-to-host copy
         accepted, emitted = both[:, 0], both[:, 1:K + 2]
         accepted, emitted = self.model.ps.decide(accepted), self.model.ps.decide(emitted)   # rank 0 decides

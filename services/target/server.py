@@ -63,7 +63,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
         self.ahead = ahead.AheadSender()      # next rounds' Proposes, pushed to the draft (ahead.py)
         self.engine.push_rows = self._push_verified
         self.engine.push_acceptance = self._push_acceptance
-        self._early: tuple | None = None      # a Verify's early `ahead` and its pushed rows (_push_acceptance)
+        self._early: tuple | None = None      # a Verify's early `ahead`: (it, ids, rows a request, rows' transfer)
         self._early_sent = False
         self.early_ok = cfg.early_propose == "on" or cfg.early_propose == "auto" and cfg.device.startswith("cuda")
         profile = parse_profile(cfg.synthetic_acceptance)
@@ -115,18 +115,16 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             log.warning("hidden rows transfer %d was not pushed (%s: %s): the committed rows go after the Verify",
                         tid, type(e).__name__, e)
             return None
-        if self._early is not None:
-            self._early = (*self._early[:3], tid, rows)
         return rows
 
-    def _push_acceptance(self, both: torch.Tensor) -> None:
-        """The engine's push_acceptance: a Verify's acceptance [B, K+2] (accepted | emitted) queued on the device.
-        Where its `ahead` is early and its rows went on the ring, the acceptance follows them and the next round's
-        Propose goes to the draft now, before this host reads it (services/draft/early.py); else nothing."""
+    def _push_acceptance(self, both: torch.Tensor, rows: torch.Tensor) -> None:
+        """The engine's push_acceptance: a Verify's acceptance [B, K+2] (accepted | emitted) queued on the device, its
+        rows [N, D] pushed (_push_verified). Where its `ahead` is early, the acceptance follows them on the ring and
+        the next round's Propose goes to the draft now, before this host reads it (services/draft/early.py)."""
         early, self._early = self._early, None
-        if early is None or len(early) < 5:
+        if early is None:
             return
-        ahead_msg, ids, verified, tid, rows = early
+        ahead_msg, ids, verified, tid = early
         acc = next(self._transfer_ids)
         try:
             self._send(acc, both)
@@ -218,8 +216,8 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             # every verified row on the bridge before the acceptance's sync (the engine's push_rows)
             early = next(self._transfer_ids) if request.return_hidden_rows and request.transport != \
                 rows_pb2.TRANSPORT_INLINE and self.channel is not None else 0
-            self._early_sent, self._early = False, (request.ahead, [i[0] for i in items], [len(i[1]) + 1 for i in items]
-                                                    ) if early and request.ahead.early and self.early_ok else None
+            self._early_sent, self._early = False, (request.ahead, [i[0] for i in items], [len(i[1]) + 1 for i in items],
+                                                    early) if early and request.ahead.early and self.early_ok else None
             t0 = time.perf_counter()
             with tracing.span("target.verify", requests=len(items), draft_tokens=sum(len(i[1]) for i in items),
                               prefill_requests=len(request.prefill.items)) as span:
