@@ -56,6 +56,7 @@ HealthServicer.Check.experimental_thread_pool = futures.ThreadPoolExecutor(max_w
 
 
 STOP_BACKSTOP_S = 20.0      # a target or draft still stopping this long after its signal ends itself (serve)
+STOP_POLL_S = 0.25          # how late a stop signal that landed on another thread may be seen
 
 
 def serve(register, service_names: list[str], host: str, port: int, workers: int = 4,
@@ -79,9 +80,13 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
     stop = threading.Event()
     for sig in stop_signals():
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    # a stop that hangs (seen in CI: a target in a futex wait 30 s after SIGTERM, its bridge's peer gone at once)
-    # would hold its ports for good: past STOP_BACKSTOP_S every thread's stack goes to the log and the process exits 1
+    # Python runs a signal's handler in the main thread, at its next bytecode; the kernel may deliver the signal
+    # to any thread that does not block it, and then an untimed wait in the main thread never wakes to run it
+    # (seen in CI: a target in futex_do_wait 30 s after its SIGTERM; tests/test_shutdown.py). A timed wait does.
+    while not stop.wait(STOP_POLL_S):
+        pass
+    # a stop that hangs anyway would hold its ports for good: past STOP_BACKSTOP_S every thread's stack goes to
+    # the log and the process exits 1
     faulthandler.dump_traceback_later(STOP_BACKSTOP_S, exit=True)
     health_servicer.enter_graceful_shutdown()
     server.stop(grace=2).wait()

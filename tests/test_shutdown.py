@@ -6,7 +6,10 @@ cut every stream mid-response, with no error event.)"""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -83,3 +86,42 @@ def test_past_the_drain_timeout_a_rest_stream_ends_with_an_error_event(cluster):
     assert texts < 1900, "the stream should have been stopped by the shutdown, not run to its end"
     assert p.popen.wait(timeout=30) == 0
     cluster.wait_drained(timeout_s=30)
+
+
+def _unblocked_thread(pid: int, sig: int) -> int:
+    """A thread of `pid` other than its main one that does not block `sig` (the kernel gives it a signal sent to it)."""
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        status = open(f"/proc/{pid}/task/{tid}/status").read()
+        blocked = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("SigBlk:")), 16)
+        if tid != pid and not blocked & (1 << (sig - 1)):
+            return tid
+    raise AssertionError(f"every thread of {pid} blocks signal {sig}")
+
+
+def test_a_service_stops_when_its_signal_lands_on_another_thread(cluster):
+    """The kernel may deliver a SIGTERM to any thread of a service; Python runs the handler in the main thread,
+    which waited for it without a timeout and never woke (CI: a target in futex_do_wait 30 s after `tandem serve`
+    was SIGKILLed). Sent to another thread on purpose, the target and the draft stop within a moment, exit 0."""
+    procs = []
+    for role in ("target", "draft"):
+        port, dist = free_ports(2)
+        cmd = [sys.executable, "-m", "tandem", role, "--model", str(cluster.model), "--threads", "1",
+               "--hidden-transport", "inline", "--grpc-port", str(port), "--dist-addr", f"127.0.0.1:{dist}",
+               "--num-blocks", "64"]
+        p = Proc(f"{role}-signalled", cmd, f"127.0.0.1:{port}", cluster.log_dir / f"{role}-signalled.log")
+        cluster._spawn(p)
+        cluster.procs.remove(p)                  # its exit is the test's, not a fault of the cluster
+        procs.append(p)
+    for p in procs:
+        cluster.wait_serving(p, time.monotonic() + 60)
+    for p in procs:
+        os.kill(_unblocked_thread(p.popen.pid, signal.SIGTERM), signal.SIGTERM)
+    for p in procs:
+        try:
+            rc = p.popen.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            where = open(f"/proc/{p.popen.pid}/wchan").read()
+            p.popen.kill()
+            raise AssertionError(f"{p.name} still running 15 s after a SIGTERM to one of its threads (main thread "
+                                 f"in {where})\n{p.tail()}") from None
+        assert rc == 0 and "stopped" in p.log.read_text(), p.tail()
