@@ -88,14 +88,18 @@ def test_past_the_drain_timeout_a_rest_stream_ends_with_an_error_event(cluster):
     cluster.wait_drained(timeout_s=30)
 
 
-def _unblocked_thread(pid: int, sig: int) -> int:
-    """A thread of `pid` other than its main one that does not block `sig` (the kernel gives it a signal sent to it)."""
+def _signal_another_thread(pid: int, sig: int) -> None:
+    """`sig` to a thread of `pid` other than its main one that does not block it (the kernel hands a signal sent to
+    a thread to that thread); the next such thread where one ended meanwhile."""
     for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
-        status = open(f"/proc/{pid}/task/{tid}/status").read()
-        blocked = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("SigBlk:")), 16)
-        if tid != pid and not blocked & (1 << (sig - 1)):
-            return tid
-    raise AssertionError(f"every thread of {pid} blocks signal {sig}")
+        try:
+            status = open(f"/proc/{pid}/task/{tid}/status").read()
+            blocked = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("SigBlk:")), 16)
+            if tid != pid and not blocked & (1 << (sig - 1)):
+                return os.kill(tid, sig)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    raise AssertionError(f"no thread of {pid} but its main one takes signal {sig}")
 
 
 def test_a_service_stops_when_its_signal_lands_on_another_thread(cluster):
@@ -115,7 +119,7 @@ def test_a_service_stops_when_its_signal_lands_on_another_thread(cluster):
     for p in procs:
         cluster.wait_serving(p, time.monotonic() + 60)
     for p in procs:
-        os.kill(_unblocked_thread(p.popen.pid, signal.SIGTERM), signal.SIGTERM)
+        _signal_another_thread(p.popen.pid, signal.SIGTERM)
     for p in procs:
         try:
             rc = p.popen.wait(timeout=15)
