@@ -116,16 +116,20 @@ def test_a_service_stops_when_its_signal_lands_on_another_thread(cluster):
         cluster._spawn(p)
         cluster.procs.remove(p)                  # its exit is the test's, not a fault of the cluster
         procs.append(p)
-    for p in procs:
-        cluster.wait_serving(p, time.monotonic() + 60)
-    for p in procs:
-        _signal_another_thread(p.popen.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            rc = p.popen.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            where = open(f"/proc/{p.popen.pid}/wchan").read()
-            p.popen.kill()
-            raise AssertionError(f"{p.name} still running 15 s after a SIGTERM to one of its threads (main thread "
-                                 f"in {where})\n{p.tail()}") from None
-        assert rc == 0 and "stopped" in p.log.read_text(), p.tail()
+    try:
+        for p in procs:
+            cluster.wait_serving(p, time.monotonic() + 60)
+        for p in procs:
+            _signal_another_thread(p.popen.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                rc = p.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{p.name} still running 15 s after a SIGTERM to one of its threads (main "
+                                     f"thread in {open(f'/proc/{p.popen.pid}/wchan').read()})\n{p.tail()}") from None
+            assert rc == 0 and "stopped" in p.log.read_text(), p.tail()
+    finally:                                     # nothing left running, whatever failed
+        for p in procs:
+            if p.popen.poll() is None:
+                p.popen.kill()
+                p.popen.wait(timeout=10)
