@@ -170,7 +170,8 @@ def test_step_layout_views_start_16_byte_aligned(lens):
     assert batch.slot_mapping.tolist() == want
 
 
-@pytest.mark.parametrize("steps", [[[3, 1], [1]], [[1, 1, 1, 1], [2, 5]], [[7], [4, 4, 4]], [[5, 0, 3, 1], [9, 2], [0, 4, 4, 4]]])
+@pytest.mark.parametrize("steps", [[[3, 1], [1]], [[1, 1, 1, 1], [2, 5]], [[7], [4, 4, 4]],
+                                   [[5, 0, 3, 1], [9, 2], [0, 4, 4, 4]]])   # (an empty query among them)
 def test_step_laid_out_into_a_graph_stage(steps):
     """With `staging` (a CUDA graph bucket's buffers, models/cuda_graphs.py), a step is laid out into the stage:
     its real fields equal the plain layout's, the input ids ride in the same transfer, and the padding rows point
