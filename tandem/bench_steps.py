@@ -6,7 +6,10 @@ K = 0 decode step; and K + 1 tokens per request: a verify step) and one MTP draf
 hidden row per request), each with its LM head and greedy pick. The model is a checkpoint (--model) or
 random weights of `tandem train`'s shape with --arch overrides, so candidate shapes are compared before any
 training. The ratio draft / target decode step is what bounds speculation: a round of K drafts costs
-K x draft + verify instead of one target step per token.
+K x draft + verify instead of one target step per token. `chain` is the draft's K-token chain as the draft
+service runs it (services/draft/chain.py: K LM heads and choices, K - 1 MTP steps, one replay on a GPU), so
+chain / K is a served draft step. --kernels adds, per step, the device's kernels (launches and microseconds a
+step, torch.profiler), to see what a step is made of before shrinking it.
 
     tandem bench steps --arch num_hidden_layers=12 --arch hidden_size=192 --batches 1,8,32
 """
@@ -26,6 +29,7 @@ from models.loader import build, load_model
 from models.model import DraftModel, TargetModel
 from models.runner import new_cache
 from models.tiny import init_random_
+from services.draft.chain import DraftChain
 
 
 def random_models(arch: dict, device: str, dtype: torch.dtype, seed: int = 0):
@@ -63,9 +67,11 @@ def time_steps(steps: dict, device: str, iters: int) -> dict[str, float]:
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
-def measure(target, draft, device: str, batch: int, context: int, k: int, iters: int, graphs: bool) -> dict:
+def measure(target, draft, device: str, batch: int, context: int, k: int, iters: int, graphs: bool,
+            kernels: bool = False) -> dict:
     """ms of a target decode step, a verify step (k + 1 tokens) and one draft step, `batch` requests at
-    `context` cached positions each; every step's cache writes are rolled back after it."""
+    `context` cached positions each, and the draft's chain of k tokens; every step's cache writes are rolled
+    back after it. kernels: each step's kernel_table too."""
     D, V = target.cfg.hidden_size, target.cfg.vocab_size
     tc, dc = new_cache(target, num_blocks=batch * (context // 16 + 4) + 8), new_cache(draft, num_blocks=batch * (context // 16 + 4) + 8)
     tf, df = target, draft
@@ -99,11 +105,36 @@ def measure(target, draft, device: str, batch: int, context: int, k: int, iters:
             h = df(toks, hidden, dc.prepare(ids, [1] * batch), dc)                     # [B, D]
             draft.compute_logits(h).argmax(-1).cpu()
         [dc.rollback(r, 1) for r in ids]
-    ms = time_steps(dict(target=target_step(1), verify=target_step(k + 1), draft=draft_step), device, iters)
+    chain = DraftChain(draft, dc, context + 64, k, graphs=graphs and device.startswith("cuda"))
+
+    def chain_round():
+        with torch.inference_mode():
+            chain.run(ids, hidden, [k] * batch)                                        # k drafts a request
+        [dc.rollback(r, k - 1) for r in ids]
+    steps = dict(target=target_step(1), verify=target_step(k + 1), draft=draft_step, chain=chain_round)
+    ms = time_steps(steps, device, iters)
     out = dict(batch=batch, context=context, k=k, **{f"{name}_ms": v for name, v in ms.items()})
     out["draft_over_target"] = out["draft_ms"] / out["target_ms"]
     out["draft_over_verify"] = out["draft_ms"] / out["verify_ms"]
+    out["chain_step_over_target"] = out["chain_ms"] / k / out["target_ms"]
+    if kernels:
+        out["kernels"] = {name: kernel_table(step, device) for name, step in steps.items()}
     return out
+
+
+def kernel_table(step, device: str, runs: int = 10) -> list[tuple[str, float, float]]:
+    """[(kernel, launches a step, device us a step)] of `runs` calls of step(), most time first (torch.profiler;
+    on a CPU its operators)."""
+    cuda = device.startswith("cuda")
+    acts = [torch.profiler.ProfilerActivity.CUDA] if cuda else [torch.profiler.ProfilerActivity.CPU]
+    step()
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(runs):
+            step()
+        _sync(device)
+    rows = [(e.key, e.count / runs, (e.self_device_time_total if cuda else e.self_cpu_time_total) / runs)
+            for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+    return sorted(rows, key=lambda r: -r[2])
 
 
 def main(argv=None) -> int:
@@ -118,7 +149,9 @@ def main(argv=None) -> int:
     p.add_argument("-k", type=int, default=3, help="verify step of k + 1 tokens per request")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs on a GPU")
+    p.add_argument("--kernels", action="store_true", help="each step's kernels: launches and device us a step")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the services use 1)")
+    p.add_argument("--top", type=int, default=15, help="kernels listed a step (--kernels)")
     p.add_argument("--out", default="", help="write the rows as JSON here")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -131,12 +164,18 @@ def main(argv=None) -> int:
           f"parameters + MTP layer {n_d:,}; {a.device} {dtype}", flush=True)
     rows = []
     for b in (int(x) for x in a.batches.split(",")):
-        r = measure(target, draft, a.device, b, a.context, a.k, a.iters, not a.eager)
+        r = measure(target, draft, a.device, b, a.context, a.k, a.iters, not a.eager, a.kernels)
         rows.append(dict(r, arch=arch, model=a.model or "random", device=a.device, dtype=str(dtype).split(".")[-1],
                          target_params=n_t, mtp_params=n_d))
         print(f"batch {b:3d}: target step {r['target_ms']:.3f} ms, verify ({a.k + 1} tokens) {r['verify_ms']:.3f} ms, "
               f"draft step {r['draft_ms']:.3f} ms -> draft/target {r['draft_over_target']:.3f}, "
-              f"draft/verify {r['draft_over_verify']:.3f}", flush=True)
+              f"draft/verify {r['draft_over_verify']:.3f}; chain of {a.k} {r['chain_ms']:.3f} ms -> a chained step / "
+              f"target {r['chain_step_over_target']:.3f}", flush=True)
+        for name, table in r.get("kernels", {}).items():
+            what = "kernels" if a.device.startswith("cuda") else "operators"
+            print(f"  {name}: {sum(n for _, n, _ in table):.0f} {what}, {sum(us for *_, us in table):.1f} us a step")
+            for key, n, us in table[:a.top]:
+                print(f"    {us:9.1f} us {n:6.1f}x  {key[:100]}")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(rows, indent=1))
