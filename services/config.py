@@ -60,7 +60,8 @@ FLAG_HELP = {
                     "next round's call finds it awake (one CPU busy meanwhile). -1: 50 on CUDA, 0 on CPU (its cores "
                     "compute)",
     "early_propose": "target: where a gateway's Verify allows it (ProposeAhead.early) and the rows go on a ring, send "
-                     "the next round's Propose as the acceptance is queued, before this host reads it "
+                     "the next round's Propose with the Verify's rows, its acceptance following them, before this host "
+                     "reads it "
                      "(services/draft/early.py); auto: on CUDA only (on a CPU the acceptance is computed by then)",
 }
 

@@ -15,6 +15,11 @@ from services.draft import early
 from services.draft.chain import DraftChain
 from services.draft.engine import ProposeItem
 from services.sampling import Sampling
+from services.config import ServiceConfig
+from services.ranks import RankGroup
+from services.target.server import TargetServicer
+from tandem.inprocess import TensorChannel, _Context
+from tandem.v1 import rows_pb2, target_pb2
 from tests.test_engines import engines, make_models
 
 PROMPTS = {"a": [5, 9, 13, 2, 7, 7, 30], "b": [11, 3], "c": list(range(40, 77))}
@@ -140,3 +145,66 @@ def test_early_items_are_checked_before_anything_moves():
         with pytest.raises(ServiceError) as e:
             early.check_items(de, bad, verified, 3)
         assert e.value.code == code and words in str(e.value), str(e.value)
+
+
+class RingChannel(TensorChannel):
+    """The in-process bridge as a ring (a Verify's rows pushed as its forward is queued), its sends logged; a send to
+    a transfer id in `fail` raises, as a broken ring's would."""
+    ring = pushes = True
+
+    def __init__(self, device, log: list, fail=()):
+        super().__init__(device)
+        self.log, self.fail = log, set(fail)
+
+    def send(self, transfer_id: int, rows) -> None:
+        self.log.append(("rows" if rows.dtype != torch.int64 else "acceptance", transfer_id))
+        if transfer_id in self.fail:
+            raise RuntimeError("the ring is gone")
+        super().send(transfer_id, rows)
+
+
+class Lane:
+    """AheadSender's place: the pushes the target writes to the draft's lane, logged."""
+
+    def __init__(self, log: list):
+        self.log, self.sent = log, []
+
+    def send(self, ahead, emitted, rows, acceptance_tid: int = 0) -> bool:
+        self.log.append(("propose", acceptance_tid))
+        self.sent.append((ahead.ahead_id, emitted, rows.transfer_id, acceptance_tid))
+        return True
+
+
+@pytest.mark.parametrize("acceptance_lost", [False, True])
+def test_the_early_propose_leaves_with_the_rows_before_the_acceptance(acceptance_lost, caplog):
+    """A Verify whose `ahead` is early: its rows go on the ring, then the next round's Propose naming the transfer
+    the acceptance will come in, then the acceptance (so the draft lays its pass out while the target queues its
+    logits). An acceptance that cannot be pushed after that Propose left costs the draft that round (its take
+    answers NOT_FOUND), not the Verify: it answers in full."""
+    target, draft = make_models(seed=3)
+    te, _ = engines(target, draft)
+    log = []
+    ring = RingChannel("cpu", log, fail=[2] if acceptance_lost else [])
+    cfg = ServiceConfig(role="target", model="in-process", device="cpu", max_draft_tokens=4, early_propose="on")
+    servicer = TargetServicer(cfg, RankGroup(te, te.model.ps), ring)
+    servicer.ahead = lane = Lane(log)
+    prompt = PROMPTS["a"]
+    first, *_ = te.prefill([("a", prompt, Sampling())])
+    request = target_pb2.VerifyRequest(
+        items=[target_pb2.VerifyItem(request_id="a", draft_token_ids=[4, 5, 6])], return_hidden_rows=True,
+        transport=rows_pb2.TRANSPORT_BRIDGE, ahead=target_pb2.ProposeAhead(
+            ahead_id="g-1-ahead", draft_lane="tandem-propose-1-00", early=True,
+            items=[target_pb2.AheadItem(request_id="a", num_draft_tokens=3, position=len(prompt) + 1)]))
+    with caplog.at_level("WARNING", logger="tandem.target"):
+        resp = servicer.Verify(request, _Context())
+    assert log == [("rows", 1), ("propose", 2), ("acceptance", 2)]      # transfer ids count from 1 per servicer
+    rows_tid, acc_tid = log[0][1], log[1][1]
+    assert lane.sent == [("g-1-ahead", None, rows_tid, acc_tid)] and acc_tid != rows_tid
+    assert resp.ahead_sent and resp.ahead_early
+    a = resp.results[0].num_accepted
+    assert len(resp.results[0].emitted_token_ids) == a + 1 and resp.hidden_rows.transfer_id == rows_tid
+    if acceptance_lost:
+        assert acc_tid not in ring.rows and "the draft's early pass answers NOT_FOUND" in caplog.text
+    else:
+        assert ring.rows[acc_tid][0, 0].item() == a and ring.rows[acc_tid][0, 1:a + 2].tolist() == \
+            list(resp.results[0].emitted_token_ids)

@@ -6,9 +6,11 @@ or at the first rejection the target's own token. So the draft's step 0 can run 
 tokens as they sit on the device, before either host knows how many were accepted; the rows past the accepted
 count a are computed for nothing and rolled back (causal attention: row i reads rows <= i only).
 
-The target queues its acceptance [B, 2 + K] (accepted | emitted, -1 past a + 1) into the bridge ring beside the
-rows and pushes the next round's Propose at once (ProposeRequest.acceptance_transfer_id); the draft lays out and
-queues its step while the target's forward still runs, and the GPU runs it right behind the Verify. The draft
+The target pushes the rows into the bridge ring as soon as its forward is queued, with them the next round's
+Propose, which names the transfer its acceptance [B, 2 + K] (accepted | emitted, -1 past a + 1) will come in
+(ProposeRequest.acceptance_transfer_id), then queues its logits and acceptance and pushes that (the draft's take
+waits for it); the draft lays out and queues its step while the target's forward still runs, and the GPU runs it
+right behind the Verify. The draft
 reads the acceptance to its host on a side stream (waiting for the target's acceptance, not for its own step),
 checks it, commits a + 1 positions a request and chains the rest of the round from row a (engine._chain).
 

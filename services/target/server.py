@@ -64,7 +64,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
         self.engine.push_rows = self._push_verified
         self.engine.push_acceptance = self._push_acceptance
         self._early: tuple | None = None      # a Verify's early `ahead`: (it, ids, rows a request, rows' transfer)
-        self._early_sent = False
+        self._early_sent, self._early_acc = False, 0     # sent with the rows; the acceptance's transfer
         self.early_ok = cfg.early_propose == "on" or cfg.early_propose == "auto" and cfg.device.startswith("cuda")
         profile = parse_profile(cfg.synthetic_acceptance)
         if profile is not None:                 # rank 0 decides acceptance, so only its engine needs it
@@ -115,25 +115,29 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             log.warning("hidden rows transfer %d was not pushed (%s: %s): the committed rows go after the Verify",
                         tid, type(e).__name__, e)
             return None
+        early, self._early = self._early, None
+        if early is not None:                  # the early Propose goes now, naming the acceptance's transfer to come
+            ahead_msg, ids, verified, _ = early
+            self._early_acc = next(self._transfer_ids)
+            desc = describe(rows, ids, verified, rows_pb2.TRANSPORT_BRIDGE, tid)
+            self._early_sent = self.ahead.send(ahead_msg, None, desc, self._early_acc)
         return rows
 
     def _push_acceptance(self, both: torch.Tensor, rows: torch.Tensor) -> None:
         """The engine's push_acceptance: a Verify's acceptance [B, K+2] (accepted | emitted) queued on the device, its
-        rows [N, D] pushed (_push_verified). Where its `ahead` is early, the acceptance follows them on the ring and
-        the next round's Propose goes to the draft now, before this host reads it (services/draft/early.py)."""
-        early, self._early = self._early, None
-        if early is None:
+        rows [N, D] pushed (_push_verified). Where its `ahead` is early, the next round's Propose went to the draft
+        with the rows, naming this acceptance's transfer, and the acceptance follows them on the ring now, before this
+        host reads it (services/draft/early.py): the draft lays its pass out while the target queues its logits and
+        acceptance. Pushed late (the bridge failing between the two sends), the draft's take of it waits out the
+        ring's wait and answers NOT_FOUND: its requests lose this round's drafts and are re-synced."""
+        acc, self._early_acc = self._early_acc, 0
+        if not (acc and self._early_sent):
             return
-        ahead_msg, ids, verified, tid = early
-        acc = next(self._transfer_ids)
         try:
             self._send(acc, both)
         except Exception as e:
-            log.warning("the acceptance (transfer %d) was not pushed (%s: %s): the Propose goes after it", acc,
-                        type(e).__name__, e)
-            return
-        desc = describe(rows, ids, verified, rows_pb2.TRANSPORT_BRIDGE, tid)
-        self._early_sent = self.ahead.send(ahead_msg, None, desc, acc)
+            log.warning("the acceptance (transfer %d) was not pushed (%s: %s): the draft's early pass answers "
+                        "NOT_FOUND", acc, type(e).__name__, e)
 
     def _guard(self, context, fn):
         try:
@@ -216,8 +220,9 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             # every verified row on the bridge before the acceptance's sync (the engine's push_rows)
             early = next(self._transfer_ids) if request.return_hidden_rows and request.transport != \
                 rows_pb2.TRANSPORT_INLINE and self.channel is not None else 0
-            self._early_sent, self._early = False, (request.ahead, [i[0] for i in items], [len(i[1]) + 1 for i in items],
-                                                    early) if early and request.ahead.early and self.early_ok else None
+            self._early_sent, self._early_acc = False, 0
+            self._early = (request.ahead, [i[0] for i in items], [len(i[1]) + 1 for i in items], early) \
+                if early and request.ahead.early and self.early_ok else None
             t0 = time.perf_counter()
             with tracing.span("target.verify", requests=len(items), draft_tokens=sum(len(i[1]) for i in items),
                               prefill_requests=len(request.prefill.items)) as span:
