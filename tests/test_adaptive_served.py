@@ -4,7 +4,8 @@ requests and rounds, parks requests (no Propose) and wakes them (re-sync, probe)
 
 The parking gateway commits each round before its next Propose (--no-overlap-rounds): overlapped, the
 Propose hides behind the commit, so on this tiny model drafting costs the round nearly nothing and the policy
-rarely has reason to park. A second gateway, overlapped, serves part of the same calls: same output."""
+rarely has reason to park. A second gateway, overlapped, serves part of the same calls: same output. Parking and
+waking are asserted where no draft passes (a target with --synthetic-acceptance 0), whatever the measured costs."""
 import random
 import urllib.request
 
@@ -58,8 +59,31 @@ def test_adaptive_greedy_equals_k0(tmp_path):
     per_k = [m[f"tandem:spec_decode_chosen_k_bucket{{le={float(k)}}}"] for k in range(K + 1)]
     counts = [per_k[0]] + [b - a for a, b in zip(per_k, per_k[1:])]
     assert counts[0] > 0 and sum(1 for n in counts[1:] if n > 0) >= 2, counts
-    assert m["tandem:spec_decode_parked_total"] > 0 and m["tandem:spec_decode_reprobes_total"] > 0, m
     assert m['tandem:spec_decode_request_acceptance_count'] > 0
+    # (whether the policy parks here depends on the costs it measures on this machine, so a loaded CPU moved it
+    # twice in CI: parking and waking are tested where no draft is ever accepted, below)
+
+
+def test_requests_whose_drafts_never_pass_are_parked_and_woken(tmp_path):
+    """A target that accepts no draft (--synthetic-acceptance 0: every draft rejected, the target's own token
+    emitted, so the output is K = 0's): whatever the costs measured, drafting buys nothing, so the policy parks
+    the requests (no Propose) and wakes one every 3 rounds (re-sync, probe), and the tokens are K = 0's."""
+    ckpt = make_checkpoint(tmp_path / "tiny", seed=7)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(3 + (i * 7) % 20)] for i in range(6)]
+    with Cluster(ckpt, k=K, log_dir=tmp_path / "logs", targets=[{"args": ["--synthetic-acceptance", "0"]}],
+                 gateways=[{"args": ["--speculation", "adaptive", "--adaptive-reprobe-rounds", "3",
+                                     "--no-overlap-rounds"]}]) as c:
+        g, = c.gateways
+        futures = [g.stub.Generate.future(gen.GenerateRequest(
+            token_ids=gen.TokenIds(ids=p), max_tokens=48, ignore_eos=True,
+            **({} if k is None else {"num_speculative_tokens": k})), timeout=300) for p in prompts for k in (0, None)]
+        out = [f.result() for f in futures]
+        m = scrape(g.http_url)
+    for i in range(len(prompts)):
+        assert list(out[2 * i + 1].token_ids) == list(out[2 * i].token_ids), f"prompt {i}: output differs from K=0"
+    assert sum(r.spec_stats.num_accepted_tokens for r in out) == 0 < sum(r.spec_stats.num_drafts for r in out)
+    assert m["tandem:spec_decode_parked_total"] > 0 and m["tandem:spec_decode_reprobes_total"] > 0, m
 
 
 def test_a_seed_repeats_its_tokens_whatever_k_the_policy_would_choose(tmp_path):
