@@ -189,7 +189,7 @@ def test_the_early_propose_leaves_with_the_rows_before_the_acceptance(acceptance
     servicer = TargetServicer(cfg, RankGroup(te, te.model.ps), ring)
     servicer.ahead = lane = Lane(log)
     prompt = PROMPTS["a"]
-    first, *_ = te.prefill([("a", prompt, Sampling())])
+    te.prefill([("a", prompt, Sampling())])
     request = target_pb2.VerifyRequest(
         items=[target_pb2.VerifyItem(request_id="a", draft_token_ids=[4, 5, 6])], return_hidden_rows=True,
         transport=rows_pb2.TRANSPORT_BRIDGE, ahead=target_pb2.ProposeAhead(

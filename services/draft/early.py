@@ -10,9 +10,9 @@ The target pushes the rows into the bridge ring as soon as its forward is queued
 Propose, which names the transfer its acceptance [B, 2 + K] (accepted | emitted, -1 past a + 1) will come in
 (ProposeRequest.acceptance_transfer_id), then queues its logits and acceptance and pushes that (the draft's take
 waits for it); the draft lays out and queues its step while the target's forward still runs, and the GPU runs it
-right behind the Verify. The draft
-reads the acceptance to its host on a side stream (waiting for the target's acceptance, not for its own step),
-checks it, commits a + 1 positions a request and chains the rest of the round from row a (engine._chain).
+right behind the Verify. The draft reads the acceptance to its host on a side stream (waiting for the target's
+acceptance, not for its own step), checks it, commits a + 1 positions a request and chains the rest of the round
+from row a (engine._chain).
 
     rows:  [N, D]        N = sum(k_b + 1), request-major
     frame: [R, 2 + K]    int64, row r: request r of the rows set; item b's row is frame_rows[b]

@@ -63,7 +63,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
         self.ahead = ahead.AheadSender()      # next rounds' Proposes, pushed to the draft (ahead.py)
         self.engine.push_rows = self._push_verified
         self.engine.push_acceptance = self._push_acceptance
-        self._early: tuple | None = None      # a Verify's early `ahead`: (it, ids, rows a request, rows' transfer)
+        self._early: tuple | None = None      # a Verify's early `ahead`: (it, ids, rows a request)
         self._early_sent, self._early_acc = False, 0     # sent with the rows; the acceptance's transfer
         self.early_ok = cfg.early_propose == "on" or cfg.early_propose == "auto" and cfg.device.startswith("cuda")
         profile = parse_profile(cfg.synthetic_acceptance)
@@ -117,7 +117,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             return None
         early, self._early = self._early, None
         if early is not None:                  # the early Propose goes now, naming the acceptance's transfer to come
-            ahead_msg, ids, verified, _ = early
+            ahead_msg, ids, verified = early
             self._early_acc = next(self._transfer_ids)
             desc = describe(rows, ids, verified, rows_pb2.TRANSPORT_BRIDGE, tid)
             self._early_sent = self.ahead.send(ahead_msg, None, desc, self._early_acc)
@@ -221,7 +221,7 @@ class TargetServicer(ServicerBase, target_pb2_grpc.TargetServiceServicer):
             early = next(self._transfer_ids) if request.return_hidden_rows and request.transport != \
                 rows_pb2.TRANSPORT_INLINE and self.channel is not None else 0
             self._early_sent, self._early_acc = False, 0
-            self._early = (request.ahead, [i[0] for i in items], [len(i[1]) + 1 for i in items], early) \
+            self._early = (request.ahead, [i[0] for i in items], [len(i[1]) + 1 for i in items]) \
                 if early and request.ahead.early and self.early_ok else None
             t0 = time.perf_counter()
             with tracing.span("target.verify", requests=len(items), draft_tokens=sum(len(i[1]) for i in items),
