@@ -332,17 +332,21 @@ def test_target_refuses_indivisible_layout(ckpt, tmp_path, field, value, flags, 
 
 
 # --- the real CLI ------------------------------------------------------------------------------
-def _free_dist_port() -> int:
-    """A free port p with p + 10 free too (`tandem serve` puts the draft's rendezvous at +10)."""
+def _serve_ports() -> list[int]:
+    """gateway, target, draft, bridge, REST and dist ports, all distinct, drawn at once, with dist + 10 free and
+    none of the others (`tandem serve` puts the draft's rendezvous at dist + 10): a port drawn in a later call, or
+    dist + 10 left out of the draw, could be one another service binds a moment later (a CI flake, session 41)."""
     for _ in range(50):
-        p = free_ports(1)[0]
+        ports = free_ports(6)
+        if ports[5] + 10 in ports:
+            continue
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", p + 10))
+                s.bind(("127.0.0.1", ports[5] + 10))
             except OSError:
                 continue
-        return p
-    raise RuntimeError("no free port pair for --dist-port")
+        return ports
+    raise RuntimeError("no free port set for tandem serve")
 
 
 def _serve_accepts(ckpt, flag: str) -> bool:
@@ -363,13 +367,13 @@ def _session_alive(pgid: int) -> bool:
 
 
 def test_tandem_serve_tp2_ep2_sp_draft_tp2(ckpt, ref_model, tmp_path):
-    gw, tport, dport, bport = free_ports(4)
+    gw, tport, dport, bport, rest, dist = _serve_ports()
     cmd = [sys.executable, "-m", "tandem", "serve", "--model", str(ckpt), "--tp", "2", "--ep", "2",
            "--sequence-parallel", "--draft-tp", "2", "--grpc-port", str(gw), "--target-port", str(tport),
-           "--draft-port", str(dport), "--bridge-port", str(bport), "--dist-port", str(_free_dist_port()),
+           "--draft-port", str(dport), "--bridge-port", str(bport), "--dist-port", str(dist),
            "--num-blocks", "256", "--startup-timeout", "180", "--speculation", "fixed"]
     if _serve_accepts(ckpt, "--http-port"):        # the gateway's REST port, where `tandem serve` has one
-        cmd += ["--http-port", str(free_ports(1)[0])]
+        cmd += ["--http-port", str(rest)]
     log = tmp_path / "serve.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as f:

@@ -54,13 +54,14 @@ class DraftEngine:
         self.unsealed: list[str] = []            # requests of the last Propose whose blocks seal() has not sealed
         self.q_mass = DRAFT_Q_MASS               # sampled drafts: from q's top tokens of this mass (1: all of q)
         self.landed_at = 0.0                     # an early pass (early.py): when its acceptance reached the host
+        self.early = None                        # an early pass's layout (early.Layout), made before its frame came
 
     def graphs_enabled(self, warmup_batch: int = 0) -> None:
         """CUDA graphs are on (services/launch.py): a round's steps 2..k run as one replay too (chain.py),
         captured now for greedy rounds of up to 4 drafts and batches up to warmup_batch (others on first use)."""
         from services.draft.chain import DraftChain
         self.chain = DraftChain(self.model, self.cache, self.max_model_len, MAX_DRAFT_TOKENS, graphs=True)
-        self.chain.warmup(warmup_batch, ks=(1, 2, 3, 4))
+        self.chain.warmup(warmup_batch, ks=(1, 2, 3, 4), stage_of=getattr(self.forward, "stage", None))
 
     def expected_rows(self, items: list[ProposeItem]) -> dict[str, int]:
         """Rows each item must bring: one per new token; a new request's first token has none.
@@ -102,7 +103,7 @@ class DraftEngine:
                 raise ServiceError("INVALID_ARGUMENT", f"request {it.request_id!r}: new_token_ids holds "
                                    f"token id {bad[0]}, vocab_size is {self.vocab_size}")
         fresh = [it.request_id for it in items if it.request_id not in self.committed]
-        self.not_held, self.unsealed, start = set(), [], {}
+        self.not_held, self.unsealed, start, self.early = set(), [], {}, None
         for it in items:
             if it.request_id in fresh:
                 start[it.request_id] = self._start(it)
@@ -145,6 +146,10 @@ class DraftEngine:
                 self.seal()
         return [(d, _stacked(p)) for d, p in zip(drafts, probs)]
 
+    def lay_out_early(self, items: list[ProposeItem], verified: list[int], frame_rows: list[int]) -> None:
+        """An early Propose's layout, before its acceptance frame reaches this host (services/draft/early.py)."""
+        early.lay_out(self, items, verified, frame_rows)
+
     def propose_early(self, items: list[ProposeItem], rows: torch.Tensor, verified: list[int], frame: torch.Tensor,
                       frame_rows: list[int], seal: bool = True):
         """A Propose pushed before the target read its acceptance (services/draft/early.py) -> as propose."""
@@ -164,21 +169,29 @@ class DraftEngine:
         if not (live and self._chain(live, last, ids, k, drafts, probs)):
             self._loop(live, dict(zip(live, last)), ids, k, drafts, probs)
 
-    def _chain(self, live: list[int], last: torch.Tensor, ids: list[str], k: list[int], drafts: list,
-               probs: list, **early) -> bool:
-        """Steps 2..k in one replay (chain.py) from live's MTP hidden rows last [len(live), D]; False when there
-        is no chain or the round does not fit it. early: DraftChain.run's acc, starts and then (early.py)."""
+    def chain_plan(self, live: list[int], ids: list[str], k: list[int], starts: list[int] | None = None,
+                   early: tuple | None = None):
+        """DraftChain.plan of live's requests' steps 2..k (early.py: starts, step 1's positions at 0 accepted; early,
+        step 0 in the graph too) -> the plan, or None when there is no chain or the round does not fit it."""
         if self.chain is None:
-            return False
+            return None
         rids = [ids[b] for b in live]
         samplings = [self.sampling[r] for r in rids]
         sampled = None if all(s.greedy for s in samplings) else [
             (s, *(tuple(self.noise[r]) if not s.greedy else (0, 0))) for r, s in zip(rids, samplings)]
-        got = self.chain.run(rids, last, [k[b] for b in live], sampled, self.q_mass, **early)
-        if got is None:
+        return self.chain.plan(rids, [k[b] for b in live], sampled, self.q_mass, starts, early)
+
+    def _chain(self, live: list[int], last: torch.Tensor | None, ids: list[str], k: list[int], drafts: list,
+               probs: list, plan=None, **go) -> bool:
+        """Steps 2..k in one replay (chain.py) from live's MTP hidden rows last [len(live), D]; False when there
+        is no chain or the round does not fit it. plan: chain_plan's, made earlier; go: DraftChain.go's acc, then,
+        frame and rows (early.py)."""
+        plan = plan or self.chain_plan(live, ids, k)
+        if plan is None:
             return False
-        toks, q = got
-        for i, (b, r, s) in enumerate(zip(live, rids, samplings)):
+        toks, q = self.chain.go(plan, last, **go)
+        for i, b in enumerate(live):
+            r, s = ids[b], self.sampling[ids[b]]
             drafts[b] = toks[i]
             if not s.greedy:
                 self._draw(r, k[b])                                          # the draws the chain took
@@ -255,7 +268,7 @@ class DraftEngine:
         return entry[0], draw
 
     def release(self, ids: list[str]) -> int:
-        n = 0
+        n, self.early = 0, None
         for rid in ids:
             n += self.committed.pop(rid, None) is not None
             self.sampling.pop(rid, None)

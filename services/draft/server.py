@@ -209,7 +209,10 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
         at = {rid: i for i, rid in enumerate(desc.request_ids)}
         verified = [desc.rows_per_request[at[it.request_id]] if it.request_id in at else 0 for it in items]
         early.check_items(self.engine, items, verified, self.cfg.max_draft_tokens)
-        t0, tid = time.perf_counter(), desc.transfer_id
+        ids, tid = [it.request_id for it in items], desc.transfer_id
+        # the step laid out while the target still computes (before the takes: nothing of it waits behind the rows)
+        self.group.call(DraftEngine.lay_out_early, items, verified, [at[r] for r in ids])
+        t0 = time.perf_counter()
         try:
             rows, rows_landed = self.channel.take_later(tid, self.cfg.bridge_timeout_s,
                                                         f"hidden_rows[0] (bridge transfer {tid})")
@@ -219,7 +222,6 @@ class DraftServicer(ServicerBase, draft_pb2_grpc.DraftServiceServicer):
             raise ServiceError("UNAVAILABLE", str(e)) from None
         except LookupError as e:
             raise ServiceError("NOT_FOUND", str(e)) from None
-        ids = [it.request_id for it in items]
         if ids != list(desc.request_ids):                       # a subset, or another order: the items' rows
             per = rows_by_request(desc, rows)
             rows = torch.cat([per[r] for r in ids])
