@@ -12,6 +12,7 @@ import torch
 
 from infra.errors import ServiceError
 from services.draft import early
+from services.draft import chain as chain_module
 from services.draft.chain import DraftChain
 from services.draft.engine import ProposeItem
 from services.sampling import Sampling
@@ -67,7 +68,8 @@ def pairs(sampling, device="cpu", chain=False):
 def test_early_propose_drafts_what_propose_drafts(temperature, device, chain, monkeypatch):
     """Rounds 1, 3, 5, 7 laid out before the frame, as the draft's server does (DraftEngine.lay_out_early, used by
     the pass: not laid out again); round 3 after a layout whose frame never came (another request set's: unused).
-    On CUDA, rounds where every request drafts (1, 5, 6, 7) run step 0 and the chain as one graph (chain.py)."""
+    On CUDA, rounds where every request drafts (1, 5, 6, 7) run step 0 and the chain as one graph (chain.py); round 8,
+    of a new shape once the early graphs kept are at their cap, runs step 0 apart."""
     if device == "cuda" and chain:
         pytest.skip("the GPU runs its captured chain either way")
     layouts = []
@@ -77,8 +79,10 @@ def test_early_propose_drafts_what_propose_drafts(temperature, device, chain, mo
     got = hooked(te2)
     ids, rejected, accepted, graphed = list(PROMPTS), 0, 0, 0
     position = {r: len(p) + 1 for r, p in PROMPTS.items()}
-    for rnd in range(8):
-        k = {r: (rnd + i) % 4 if rnd < 6 else 3 for i, r in enumerate(ids)}   # 0..3 drafts, a request and a round
+    for rnd in range(9):
+        k = {r: (rnd + i) % 4 if rnd < 6 else 3 if rnd < 8 else 2 for i, r in enumerate(ids)}   # 0..3 drafts
+        if rnd == 8:
+            monkeypatch.setattr(chain_module, "MAX_EARLY_GRAPHS", 1)
         items = [(r, d, q) for r, (d, q) in zip(ids, proposals)]
         v1 = te1.verify(items)
         got.clear()

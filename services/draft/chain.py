@@ -47,6 +47,8 @@ from kernels.noise import choose, draw_keys, top_mass
 from services.bridge.rows import expect_rows
 from services.sampling import Sampling
 
+MAX_EARLY_GRAPHS = 64      # early graphs kept (a step 0 and a chain each); past it, new shapes run step 0 apart
+
 
 class DraftChain:
     """`run(ids, hidden [B, D], ks, sampled, q_mass)` -> (drafts per request, ks[b] tokens each; q on the host:
@@ -99,9 +101,12 @@ class DraftChain:
         starts = starts or [cache.length(r) for r in ids]
         for r, k in zip(ids, ks):
             cache.extend(r, k - 1)
+        key = (bp, k_max, sampled is not None, q_mass if sampled is not None else 1.0)
         stage = early[0] if early else None
-        key = (bp, k_max, sampled is not None, q_mass if sampled is not None else 1.0) + ((stage.b, stage.n) if
-                                                                                          stage else ())
+        if stage is not None and key + (stage.b, stage.n) not in self.compiled and \
+                sum(len(c) > 4 for c in self.compiled) >= MAX_EARLY_GRAPHS:
+            stage = early = None                # (rounds of rarer shapes: step 0 apart, as before)
+        key += (stage.b, stage.n) if stage else ()
         if key not in self.compiled:
             self.compiled[key] = self._build(*key[:4], stage=stage)
         self._fill(self.compiled[key][1], ids, ks, starts, bp, sampled, early)

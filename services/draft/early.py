@@ -93,7 +93,7 @@ def lay_out(engine, items, verified: list[int], frame_rows: list[int]) -> Layout
             if live else None
     except CacheFullError as e:
         raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
-    graphed = stage is not None and chain is not None
+    graphed = chain is not None and chain[3] is not None                # (the chain's plan names the stage it took)
     aux = None if graphed else torch.tensor(idx[0] + idx[1] + idx[2] + live + idx[3] + idx[4]).to(dev,
                                                                                                  non_blocking=True)
     engine.early = Layout((ids, list(verified), list(frame_rows)), starts, batch, aux, chain, graphed)
