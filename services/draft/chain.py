@@ -102,10 +102,11 @@ class DraftChain:
         for r, k in zip(ids, ks):
             cache.extend(r, k - 1)
         key = (bp, k_max, sampled is not None, q_mass if sampled is not None else 1.0)
-        stage = early[0] if early else None
+        stage = early[0] if early and self.graphs else None                    # (without graphs: step 0 apart)
         if stage is not None and key + (stage.b, stage.n) not in self.compiled and \
                 sum(len(c) > 4 for c in self.compiled) >= MAX_EARLY_GRAPHS:
-            stage = early = None                # (rounds of rarer shapes: step 0 apart, as before)
+            stage = None                        # (rounds of rarer shapes: step 0 apart, as before)
+        early = early if stage is not None else None
         key += (stage.b, stage.n) if stage else ()
         if key not in self.compiled:
             self.compiled[key] = self._build(*key[:4], stage=stage)
