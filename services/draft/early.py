@@ -63,8 +63,12 @@ class Layout:
     batch: object              # step 0 over every verified row, laid out (into its graph's buffers)
     aux: torch.Tensor | None   # device: frame rows [B], row offsets [B], rows - 1 [B], live [L], tokens' row, col [N]
     chain: tuple | None        # DraftChain.plan of the live requests' steps (None: no chain, or it does not fit)
-    graphed: bool = False      # step 0 in the chain's graph (chain.py, an early plan): aux is in the graph's buffers
     hidden: torch.Tensor | None = None     # step 0's rows [N, D], where it ran apart (_steps)
+
+    @property
+    def graphed(self) -> bool:
+        """Step 0 in the chain's graph (an early plan: it names the stage it took); aux is then in its buffers."""
+        return self.chain is not None and self.chain[3] is not None
 
 
 @torch.inference_mode()
@@ -93,10 +97,10 @@ def lay_out(engine, items, verified: list[int], frame_rows: list[int]) -> Layout
             if live else None
     except CacheFullError as e:
         raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
-    graphed = chain is not None and chain[3] is not None                # (the chain's plan names the stage it took)
+    graphed = chain is not None and chain[3] is not None                # (Layout.graphed)
     aux = None if graphed else torch.tensor(idx[0] + idx[1] + idx[2] + live + idx[3] + idx[4]).to(dev,
                                                                                                  non_blocking=True)
-    engine.early = Layout((ids, list(verified), list(frame_rows)), starts, batch, aux, chain, graphed)
+    engine.early = Layout((ids, list(verified), list(frame_rows)), starts, batch, aux, chain)
     return engine.early
 
 
