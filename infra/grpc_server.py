@@ -83,8 +83,12 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
     # Python runs a signal's handler in the main thread, at its next bytecode; the kernel may deliver the signal
     # to any thread that does not block it, and then an untimed wait in the main thread never wakes to run it
     # (seen in CI: a target in futex_do_wait 30 s after its SIGTERM; tests/test_shutdown.py). A timed wait does.
+    # and under `tandem serve` the parent is watched too, so a death signal that never ran stops it all the same
+    parent = os.getppid() if os.environ.get(DIE_WITH_PARENT) == "1" else None
     while not stop.wait(STOP_POLL_S):
-        pass
+        if parent is not None and os.getppid() != parent:
+            log.warning("the process that started this one (pid %d) has exited; stopping", parent)
+            break
     # a stop that hangs anyway would hold its ports for good: past STOP_BACKSTOP_S every thread's stack goes to
     # the log and the process exits 1
     faulthandler.dump_traceback_later(STOP_BACKSTOP_S, exit=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import time
 
 import torch
 
@@ -57,8 +58,12 @@ def build_engine(engine_cls, model_cls, model: str, device: str, dtype: torch.dt
     if graphs and str(device).startswith("cuda"):
         from models import cuda_graphs
         with on_device(torch.device(device)):      # capture and Triton launches on the engine's own GPU
+            t0, held = time.perf_counter(), torch.cuda.memory_reserved()
             cuda_graphs.enable(engine, extra_rows=engine_cls.graph_row_inputs, warmup_batch=graph_batch)
             engine.graphs_enabled(graph_batch)
+            log.info("%s: CUDA graphs ready in %.1f s, %.0f MiB more reserved (steps%s)", what,
+                     time.perf_counter() - t0, (torch.cuda.memory_reserved() - held) / 2**20,
+                     f", {len(engine.chain.compiled)} chains" if getattr(engine, "chain", None) else "")
     return engine
 
 

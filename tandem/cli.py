@@ -76,6 +76,10 @@ def _die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     _own_kernels()
     _die_with_parent()
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr, even
+                                                             # with the GIL held (no Python code runs to write it)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     level = os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper()   # Tandem's own loggers (DEBUG: the adaptive
     if level in logging.getLevelNamesMapping():                  # policy's choice and outcome a round)

@@ -10,6 +10,7 @@ After each episode both services hold no request and every KV block is free.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -230,8 +231,14 @@ def test_services_end_when_serve_is_killed(tmp_path):
         try:
             wait_until(lambda: not running(), 30, "the services to end with their parent")
         except AssertionError as e:                      # which one, and what its log says (CI: a stop signal that
-            # landed on another thread, fixed in infra/grpc_server.py; tests/test_shutdown.py)
-            raise AssertionError(f"{e}: still running {running()}\n{s.log()[-4000:]}") from None
+            # landed on another thread, fixed in infra/grpc_server.py; tests/test_shutdown.py), with every thread's
+            # stack of those still running (SIGUSR1: faulthandler, written without the GIL; tandem/cli.py)
+            stuck = running()
+            for k in kids:
+                with contextlib.suppress(OSError):
+                    os.kill(k, signal.SIGUSR1)
+            time.sleep(2)
+            raise AssertionError(f"{e}: still running {stuck}\n{s.log()[-12000:]}") from None
     finally:
         s.stop()
 

@@ -47,6 +47,8 @@ from kernels.noise import choose, draw_keys, top_mass
 from services.bridge.rows import expect_rows
 from services.sampling import Sampling
 
+SAMPLING_PARTS = ("temp", "top_k", "top_p", "seeds", "draws")     # a sampled chain's per-row buffers
+EARLY_PARTS = ("frame_rows", "off", "most", "tok_r", "tok_c")     # an early plan's (its early[1:], in order)
 MAX_EARLY_GRAPHS = 64      # early graphs kept (a step 0 and a chain each); past it, new shapes run step 0 apart
 
 
@@ -159,8 +161,8 @@ class DraftChain:
     def _static(self, bp: int, k_max: int, sampled: bool, n: int = 0) -> dict:
         dev, S, MB = self.cache.device, max(k_max - 1, 1), self.max_blocks
         i64, i32, f32 = torch.int64, torch.int32, torch.float32
-        names = ["base", "acc"] + (["temp", "top_k", "top_p", "seeds", "draws"] if sampled else []) + (
-            ["frame_rows", "off", "most", "tok_r", "tok_c"] if n else []) + ["tables"]
+        names = ["base", "acc"] + (list(SAMPLING_PARTS) if sampled else []) + (list(EARLY_PARTS) if n else []) + [
+            "tables"]
         kinds = [(i64, (S, bp)), (i64, (bp,))]   # step s's position at acc 0 (-1: padding), accepted counts
         if sampled:                            # per row: temperature, top-k, top-p, noise seed, first draw
             kinds += [(f32, (bp,)), (i64, (bp,)), (f32, (bp,)), (i64, (bp,)), (i64, (bp,))]
@@ -170,7 +172,7 @@ class DraftChain:
         buf.writable()[0][:] = -1                   # all padding: the capture's warm-up writes only the scratch slot
         buf.upload()
         st = dict(zip(names, buf.parts))
-        st["buf"] = buf
+        st["buf"], st["host"] = buf, dict(zip(names, buf._host))   # device parts by name; their host twins by name
         st["pos"], st["slots"] = (torch.zeros(S, bp, dtype=i64, device=dev) for _ in range(2))   # (_layout's)
         st["ctx"] = torch.zeros(S, bp, dtype=i32, device=dev)
         st["slots"].fill_(self.scratch_slot)
@@ -191,7 +193,9 @@ class DraftChain:
         # lays out slots and context lengths from them and the accepted counts (_layout).
         B = len(ids)
         tables = [self.cache._tables[r] for r in ids]
-        base_h, acc_h, *samp_h, tab_h = st["buf"].writable()
+        st["buf"].writable()                                                   # (its last upload has run)
+        host = st["host"]
+        base_h, acc_h, tab_h = host["base"], host["acc"], host["tables"]
         for s in range(1, base_h.shape[0] + 1):                                # step s of request b, if it drafts it
             base_h[s - 1] = [starts[b] + s - 1 if b < B and s < ks[b] else -1 for b in range(bp)]
         acc_h[:] = 0
@@ -200,13 +204,13 @@ class DraftChain:
             tab_h[b, :len(t)], tab_h[b, len(t):w] = t, 0
         if sampled is not None:
             rows = list(sampled) + [(Sampling(), 0, 0)] * (bp - len(sampled))
-            for h, col in zip(samp_h, ([s.temperature for s, _, _ in rows], [s.top_k for s, _, _ in rows],
+            for name, col in zip(SAMPLING_PARTS, ([s.temperature for s, _, _ in rows], [s.top_k for s, _, _ in rows],
                                        [s.top_p for s, _, _ in rows], [seed for _, seed, _ in rows],
                                        [d for _, _, d in rows])):
-                h[:] = col
+                host[name][:] = col
         if early is not None:                  # padding: frame row 0, step 0's row 0, no rows past it
-            for h, col in zip(st["buf"]._host[-6:-1], early[1:]):
-                h[:len(col)], h[len(col):] = col, 0
+            for name, col in zip(EARLY_PARTS, early[1:]):
+                host[name][:len(col)], host[name][len(col):] = col, 0
         st["buf"].upload(table_rows_end(st["buf"], B, self.max_blocks, w))    # behind step 0, not waiting on it
 
     def _feed(self, st: dict, hidden, acc, B: int, bp: int) -> None:
@@ -217,7 +221,7 @@ class DraftChain:
         if B < bp:
             st["hidden"][B:].zero_()
         if not self.graphs:                    # the reference attention plans from host copies
-            base_h, tab_h = st["buf"]._host[0], st["buf"]._host[-1]
+            base_h, tab_h = st["host"]["base"], st["host"]["tables"]
             host_tables = torch.from_numpy(tab_h.copy())                     # (rows past B, columns past w: unread)
             a = acc.tolist() + [0] * (bp - B) if acc is not None else [0] * bp
             for s, batch in enumerate(st["batches"]):
