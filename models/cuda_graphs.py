@@ -147,7 +147,7 @@ class GraphedForward:
         batch = dataclasses.replace(full, query_lens=[stage.n // stage.b] * stage.b, attention_backend="triton",
                                     request_ids=[f"\0pad{i}" for i in range(stage.b)], block_size=self.cache.block_size)
         ids, args = full.input_ids, (*stage.rows, batch, self.cache)
-        stream = torch.cuda.Stream(self.cache.device)
+        stream = capture_stream(self.cache.device)
         stream.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):                           # warm-up: Triton compiles, allocator settles
@@ -162,6 +162,19 @@ class GraphedForward:
         self.pool = graph.pool()
         log.debug("captured CUDA graph: %d requests, %d tokens %s", stage.b, stage.n, kw or "")
         return graph, out
+
+
+_CAPTURE_STREAMS: dict = {}
+
+
+def capture_stream(device) -> torch.cuda.Stream:
+    """The one stream a device's captures and their eager warm-ups run on (the steps' and the draft's chains). The
+    caching allocator reuses a freed block only on the stream it was allocated on: a new stream per capture kept
+    every warm-up's activations cached apart, unused, for good (held from the GPU's other process too)."""
+    device = torch.device(device)
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
 
 
 @contextlib.contextmanager

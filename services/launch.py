@@ -58,12 +58,16 @@ def build_engine(engine_cls, model_cls, model: str, device: str, dtype: torch.dt
     if graphs and str(device).startswith("cuda"):
         from models import cuda_graphs
         with on_device(torch.device(device)):      # capture and Triton launches on the engine's own GPU
-            t0, held = time.perf_counter(), torch.cuda.memory_reserved()
+            t0, mib = time.perf_counter(), lambda: (torch.cuda.memory_allocated() / 2**20,
+                                                    torch.cuda.memory_reserved() / 2**20)
+            a0, _ = mib()
             cuda_graphs.enable(engine, extra_rows=engine_cls.graph_row_inputs, warmup_batch=graph_batch)
+            a1, _ = mib()
             engine.graphs_enabled(graph_batch)
-            log.info("%s: CUDA graphs ready in %.1f s, %.0f MiB more reserved (steps%s)", what,
-                     time.perf_counter() - t0, (torch.cuda.memory_reserved() - held) / 2**20,
-                     f", {len(engine.chain.compiled)} chains" if getattr(engine, "chain", None) else "")
+            a2, r2 = mib()
+            log.info("%s: CUDA graphs ready in %.1f s; MiB allocated: steps %+.0f%s; %.0f MiB reserved in all", what,
+                     time.perf_counter() - t0, a1 - a0, f", {len(engine.chain.compiled)} chains {a2 - a1:+.0f}"
+                     if getattr(engine, "chain", None) else "", r2)
     return engine
 
 

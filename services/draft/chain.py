@@ -37,7 +37,7 @@ import dataclasses
 
 import torch
 
-from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket, gc_paused
+from models.cuda_graphs import BATCH_BUCKETS, PAD_REQUEST, _bucket, capture_stream, gc_paused
 from kernels.dispatch import argmax_rows, sampling_probs
 from infra.errors import KV_CACHE_FULL
 from models.batch import TwinBuffer, table_rows_end
@@ -285,7 +285,7 @@ class DraftChain:
                                               request_ids=[f"\0pad{i}" for i in range(stage.b)])
             if self.frame is None:
                 self.frame = torch.zeros(BATCH_BUCKETS[-1], 2 + self.max_k, dtype=torch.int64, device=dev)
-        stream = torch.cuda.Stream(dev)
+        stream = capture_stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream), torch.inference_mode():    # warm-up on scratch rows (step 0: the stage's)
             self._body(st, k_max, sampled, q_mass, stage)
