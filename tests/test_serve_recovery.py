@@ -70,7 +70,23 @@ class Served:
                 return code == 200 and body["speculation"]["state"] == "active"
             except httpx.HTTPError:
                 return False
-        wait_until(ok, timeout_s, "tandem serve healthy", poll_s=0.3)
+        try:
+            wait_until(ok, timeout_s, "tandem serve healthy", poll_s=0.3)
+        except AssertionError as e:               # where each process of the tree is: their stacks into the log
+            raise AssertionError(f"{e}\n{self.stacks()}") from None
+
+    def stacks(self, pids: list[int] = ()) -> str:
+        """Every thread's stack of `tandem serve` and its processes, or of `pids` and theirs (SIGUSR1: faulthandler,
+        tandem/cli.py), and the log's tail they were written to."""
+        tree, i = list(pids) or [self.proc.pid], 0
+        while i < len(tree):
+            tree += children(tree[i])
+            i += 1
+        for pid in tree:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2)
+        return f"processes {tree}\n{self.log()[-16000:]}"
 
     def idle(self, timeout_s: float = 15) -> None:
         """Both services hold no request and every KV block is free (GetInfo)."""
@@ -233,12 +249,7 @@ def test_services_end_when_serve_is_killed(tmp_path):
         except AssertionError as e:                      # which one, and what its log says (CI: a stop signal that
             # landed on another thread, fixed in infra/grpc_server.py; tests/test_shutdown.py), with every thread's
             # stack of those still running (SIGUSR1: faulthandler, written without the GIL; tandem/cli.py)
-            stuck = running()
-            for k in kids:
-                with contextlib.suppress(OSError):
-                    os.kill(k, signal.SIGUSR1)
-            time.sleep(2)
-            raise AssertionError(f"{e}: still running {stuck}\n{s.log()[-12000:]}") from None
+            raise AssertionError(f"{e}: still running {running()}\n{s.stacks(kids)}") from None
     finally:
         s.stop()
 
