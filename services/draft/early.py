@@ -97,11 +97,11 @@ def lay_out(engine, items, verified: list[int], frame_rows: list[int]) -> Layout
             if live else None
     except CacheFullError as e:
         raise ServiceError("RESOURCE_EXHAUSTED", str(e)) from None
-    graphed = chain is not None and chain[3] is not None                # (Layout.graphed)
-    aux = None if graphed else torch.tensor(idx[0] + idx[1] + idx[2] + live + idx[3] + idx[4]).to(dev,
-                                                                                                 non_blocking=True)
-    engine.early = Layout((ids, list(verified), list(frame_rows)), starts, batch, aux, chain)
-    return engine.early
+    layout = Layout((ids, list(verified), list(frame_rows)), starts, batch, None, chain)
+    if not layout.graphed:                                              # (graphed: the indices are in its buffers)
+        layout.aux = torch.tensor(idx[0] + idx[1] + idx[2] + live + idx[3] + idx[4]).to(dev, non_blocking=True)
+    engine.early = layout
+    return layout
 
 
 def _stage(engine, batch):
