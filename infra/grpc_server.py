@@ -6,7 +6,7 @@ import faulthandler
 import logging
 import os
 import signal
-import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -65,6 +65,13 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
     SIGINT/SIGTERM, then mark NOT_SERVING and stop with a grace period. `tls` (infra.tls.TlsFiles):
     listen with TLS, and with its CA require client certificates (mutual TLS)."""
     from infra import tracing
+    # The stop signals' handler takes no lock: Python runs it in the main thread between two of its bytecodes, which
+    # may be inside the very lock it would take, in the handler before it (a threading.Event's: a draft deadlocked in
+    # Event.set under the burst of death signals a SIGKILLed `tandem serve` sends; tests/test_shutdown.py). Installed
+    # before the server starts, so a stop that comes while it starts is a clean stop too.
+    stop: list[int] = []
+    for sig in stop_signals():
+        signal.signal(sig, lambda signum, _: stop.append(signum))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=server_options(max_bytes),
                          interceptors=[InternalErrors()] + tracing.server_interceptors())
     register(server)
@@ -77,18 +84,16 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s on %s:%d (%s)", ", ".join(service_names), host, bound,
              "mutual TLS" if tls and tls.ca else "TLS" if tls and tls.cert else "plaintext")
-    stop = threading.Event()
-    for sig in stop_signals():
-        signal.signal(sig, lambda *_: stop.set())
-    # Python runs a signal's handler in the main thread, at its next bytecode; the kernel may deliver the signal
-    # to any thread that does not block it, and then an untimed wait in the main thread never wakes to run it
-    # (seen in CI: a target in futex_do_wait 30 s after its SIGTERM; tests/test_shutdown.py). A timed wait does.
-    # and under `tandem serve` the parent is watched too, so a death signal that never ran stops it all the same
+    # The kernel may deliver a signal to any thread that does not block it, and Python runs its handler only when
+    # the main thread runs again: an untimed wait there never woke to run it (CI: a target in futex_do_wait 30 s
+    # after its SIGTERM). So the main thread sleeps in short steps, and under `tandem serve` it watches its parent
+    # too, so that a death signal that never ran stops it all the same.
     parent = os.getppid() if os.environ.get(DIE_WITH_PARENT) == "1" else None
-    while not stop.wait(STOP_POLL_S):
+    while not stop:
         if parent is not None and os.getppid() != parent:
             log.warning("the process that started this one (pid %d) has exited; stopping", parent)
             break
+        time.sleep(STOP_POLL_S)
     # a stop that hangs anyway would hold its ports for good: past STOP_BACKSTOP_S every thread's stack goes to
     # the log and the process exits 1
     faulthandler.dump_traceback_later(STOP_BACKSTOP_S, exit=True)

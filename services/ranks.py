@@ -82,10 +82,11 @@ class RankGroup:
     def _break(self, why: str) -> None:
         self.broken = f"the rank group of this service broke ({why}); restarting"
         log.critical("%s; exiting with code %d in 0.5 s", self.broken, EXIT_GROUP_BROKEN)
-        threading.Timer(0.5, os._exit, (EXIT_GROUP_BROKEN,)).start()   # after this answer went out
-        # a backstop that needs no GIL: were the timer never to run (seen once in a loaded test run: the process
-        # stayed, said UNAVAILABLE, and nothing restarted it), every thread's stack goes to the log and it exits 1
+        # a backstop that needs no GIL, armed first: were the timer never to run or even start (seen once in a loaded
+        # test run: the process stayed, said UNAVAILABLE, and nothing restarted it), every thread's stack goes to the
+        # log and it exits 1
         faulthandler.dump_traceback_later(10.0, exit=True)
+        threading.Timer(0.5, os._exit, (EXIT_GROUP_BROKEN,)).start()   # after this answer went out
 
     def serve_worker(self) -> None:
         """Ranks > 0: replay rank 0's calls until it closes the group or dies."""

@@ -155,3 +155,27 @@ def test_no_garbage_collection_during_a_capture(tiny):
         gc.collect()
     for a, b in zip(eager, replayed):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_captures_on_one_stream_share_their_memory(tiny, monkeypatch):
+    """Every capture of a GPU runs on one stream (models/cuda_graphs.capture_stream): the graphs' shared pool then
+    reuses what an earlier capture freed. Captured on a new stream each, the same graphs kept ~1 GB more allocated on
+    each V2-Lite service (BENCHMARKS.md, forty-third session); here the two ways are measured side by side."""
+    import models.cuda_graphs as cg
+    model = tiny[0]
+
+    def grown(stream_for) -> tuple[int, int]:
+        monkeypatch.setattr(cg, "capture_stream", stream_for)
+        cache = new_cache(model, 64)
+        graphed = GraphedForward(model, cache, model.cfg.hidden_size, torch.float32, max_model_len=256, max_tokens=32)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        n = graphed.warmup(max_batch=8)
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - before, n
+
+    one, n_one = grown(cg.capture_stream)
+    fresh, n_fresh = grown(lambda device: torch.cuda.Stream(device))
+    assert n_one == n_fresh >= 8
+    print(f"{n_one} captures: {one / 2**20:.2f} MiB allocated on one stream, {fresh / 2**20:.2f} MiB on fresh streams")
+    assert one < 0.6 * fresh, f"{n_one} captures on one stream kept {one} bytes allocated, on fresh streams {fresh}"

@@ -191,3 +191,41 @@ def test_sigusr1_writes_every_threads_stack_and_the_service_serves_on(cluster):
     assert "Thread 0x" in dump and "infra/grpc_server.py" in dump, dump[-2000:]
     assert p.popen.poll() is None
     cluster.wait_serving(p, time.monotonic() + 10)
+
+
+def test_stop_signals_in_quick_succession_stop_a_service_cleanly(tmp_path):
+    """A SIGKILLed `tandem serve` sends its services a burst of SIGTERMs (the kernel hands them from each of its dying
+    threads to the next and sends the death signal at each hand-over). A handler that ran while the one before it held
+    the lock it takes (threading.Event's) deadlocked the process for good (CI: a draft in futex_do_wait 30 s after
+    `tandem serve` was SIGKILLed, its stacks showing three handlers nested in Event.set). Eight SIGTERMs 50 us apart,
+    to each of four servers waiting for a stop: before the fix the test hung 5 runs of 5; each must stop, log it,
+    exit 0."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    logs = [tmp_path / f"server{i}.log" for i in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", SERVER], stderr=open(log, "w"), stdout=subprocess.DEVNULL, env=env)
+             for log in logs]
+    try:
+        for p, log in zip(procs, logs):
+            deadline = time.monotonic() + 60
+            while "serving" not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert p.poll() is None and "serving" in log.read_text(), log.read_text()[-2000:]
+        time.sleep(0.5)                                  # each main thread waiting for a stop, as a service's does
+        for p in procs:
+            for _ in range(8):
+                os.kill(p.pid, signal.SIGTERM)
+                t = time.perf_counter()
+                while time.perf_counter() - t < 50e-6:
+                    pass
+        for p, log in zip(procs, logs):
+            try:
+                rc = p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"still running 10 s after eight SIGTERMs (main thread in "
+                                     f"{open(f'/proc/{p.pid}/wchan').read()})\n{log.read_text()[-3000:]}") from None
+            assert rc == 0 and "stopped" in log.read_text(), (rc, log.read_text()[-3000:])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
