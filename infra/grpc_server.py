@@ -67,7 +67,7 @@ def serve(register, service_names: list[str], host: str, port: int, workers: int
     from infra import tracing
     # The stop signals' handler takes no lock: Python runs it in the main thread between two of its bytecodes, which
     # may be inside the very lock it would take, in the handler before it (a threading.Event's: a draft deadlocked in
-    # Event.set under the burst of death signals a SIGKILLed `tandem serve` sends; tests/test_shutdown.py). Installed
+    # Event.set under the repeated death signal of a SIGKILLed `tandem serve`; tests/test_shutdown.py). Installed
     # before the server starts, so a stop that comes while it starts is a clean stop too.
     stop: list[int] = []
     for sig in stop_signals():

@@ -194,12 +194,12 @@ def test_sigusr1_writes_every_threads_stack_and_the_service_serves_on(cluster):
 
 
 def test_stop_signals_in_quick_succession_stop_a_service_cleanly(tmp_path):
-    """A SIGKILLed `tandem serve` sends its services a burst of SIGTERMs (the kernel hands them from each of its dying
-    threads to the next and sends the death signal at each hand-over). A handler that ran while the one before it held
-    the lock it takes (threading.Event's) deadlocked the process for good (CI: a draft in futex_do_wait 30 s after
-    `tandem serve` was SIGKILLed, its stacks showing three handlers nested in Event.set). Eight SIGTERMs 50 us apart,
-    to each of four servers waiting for a stop: before the fix the test hung 5 runs of 5; each must stop, log it,
-    exit 0."""
+    """A SIGKILLed `tandem serve` can send its services SIGTERM more than once (the kernel hands them from a dying
+    thread of it to one still alive and sends the death signal at each hand-over). A handler that ran while the one
+    before it held the lock it takes (threading.Event's) deadlocked the process for good (CI: a draft in futex_do_wait
+    30 s after `tandem serve` was SIGKILLed, its stacks showing three handlers nested in Event.set). Eight SIGTERMs
+    50 us apart, to each of four servers waiting for a stop: before the fix the test hung 5 runs of 5; each must stop,
+    log it, exit 0."""
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     logs = [tmp_path / f"server{i}.log" for i in range(4)]
     procs = [subprocess.Popen([sys.executable, "-c", SERVER], stderr=open(log, "w"), stdout=subprocess.DEVNULL, env=env)
