@@ -202,8 +202,10 @@ def test_stop_signals_in_quick_succession_stop_a_service_cleanly(tmp_path):
     log it, exit 0."""
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     logs = [tmp_path / f"server{i}.log" for i in range(4)]
-    procs = [subprocess.Popen([sys.executable, "-c", SERVER], stderr=open(log, "w"), stdout=subprocess.DEVNULL, env=env)
-             for log in logs]
+    procs = []
+    for log in logs:
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen([sys.executable, "-c", SERVER], stderr=f, stdout=subprocess.DEVNULL, env=env))
     try:
         for p, log in zip(procs, logs):
             deadline = time.monotonic() + 60
