@@ -326,6 +326,14 @@ class Cluster:
             pass
 
 
+def running(pid: int) -> bool:
+    """Neither gone nor a zombie (a zombie has ended; its parent, or init for an orphan, reaps it any moment)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def stop_serve(proc: subprocess.Popen, channels=()) -> None:
     """Stop a `tandem serve` started in its own session: SIGTERM (it stops its children), then SIGKILL to
     whatever is left of its process tree."""

@@ -24,7 +24,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
-from cluster import REPO, free_ports, make_checkpoint, stop_serve
+from cluster import REPO, free_ports, make_checkpoint, running, stop_serve
 from tandem.v1 import common_pb2, generate_pb2 as gen, generate_pb2_grpc, target_pb2_grpc, draft_pb2_grpc
 from test_faults import health, wait_until
 
@@ -234,23 +234,20 @@ def test_services_end_when_serve_is_killed(tmp_path):
         assert len(kids) == 3, [cmdline(k) for k in kids]
         names = {k: " ".join(cmdline(k)[1:4]) for k in kids}
 
-        def running() -> list[str]:                      # (a zombie has ended: nobody reaps it now)
+        def still() -> list[str]:                        # (cluster.running: a zombie has ended)
             out = []
-            for k in kids:
-                try:
-                    if open(f"/proc/{k}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-                        out.append(f"{names[k]} (pid {k}): {open(f'/proc/{k}/wchan').read()}")
-                except OSError:
-                    pass
+            for k in (k for k in kids if running(k)):
+                with contextlib.suppress(OSError):
+                    out.append(f"{names[k]} (pid {k}): {open(f'/proc/{k}/wchan').read()}")
             return out
         s.proc.kill()
         s.proc.wait(timeout=10)
         try:
-            wait_until(lambda: not running(), 30, "the services to end with their parent")
+            wait_until(lambda: not still(), 30, "the services to end with their parent")
         except AssertionError as e:                      # which one, and what its log says (CI: a stop signal that
             # landed on another thread, fixed in infra/grpc_server.py; tests/test_shutdown.py), with every thread's
             # stack of those still running (SIGUSR1: faulthandler, written without the GIL; tandem/cli.py)
-            raise AssertionError(f"{e}: still running {running()}\n{s.stacks(kids)}") from None
+            raise AssertionError(f"{e}: still running {still()}\n{s.stacks(kids)}") from None
     finally:
         s.stop()
 

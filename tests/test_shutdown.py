@@ -17,7 +17,7 @@ import grpc
 import httpx
 import pytest
 
-from cluster import Cluster, Proc, free_ports, make_checkpoint, serve_module
+from cluster import Cluster, Proc, free_ports, make_checkpoint, running, serve_module
 from tandem.v1 import generate_pb2 as gen, generate_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -149,14 +149,6 @@ serve(lambda server: None, [], "127.0.0.1", 0)
 """
 
 
-def _running(pid: int) -> bool:
-    """Neither gone nor a zombie (an orphan's parent, init, reaps it any moment)."""
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_service_whose_parent_died_stops_without_its_death_signal(tmp_path):
     """Under `tandem serve` a service stops when its parent dies: the kernel's SIGTERM (PR_SET_PDEATHSIG), and, were
     that signal never to run its handler (CI, once: a draft running on 30 s after `tandem serve` was SIGKILLed, its
@@ -168,9 +160,9 @@ def test_a_service_whose_parent_died_stops_without_its_death_signal(tmp_path):
                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
     pid = int(out.stdout)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _running(pid):
+    while time.monotonic() < deadline and running(pid):
         time.sleep(0.1)
-    alive = _running(pid)
+    alive = running(pid)
     if alive:
         os.kill(pid, signal.SIGKILL)
     text = log.read_text()
